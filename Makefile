@@ -1,0 +1,41 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv and install on first use; both are
+# idempotent (the install step re-runs only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.zlightning-installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install demo demo-short test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@echo ">> creating $(VENV) (if missing)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo ">> installing $(TORCH_PIN) first (CPU build on this machine; never an unpinned torch)"
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	@echo ">> installing zlightning (editable) with test extras"
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+	@echo ">> install done"
+
+demo: $(STAMP)
+	@echo ">> training a byte-level GPT with zstack_zero3 on 2 processes (see examples/demo.py)"
+	$(PY) examples/demo.py
+
+demo-short: $(STAMP)
+	$(PY) examples/demo.py --short
+
+test: $(STAMP)
+	@echo ">> running the test suite"
+	@$(PY) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	@echo ">> side-by-side benchmark: DDP, FSDP2, DeepSpeed ZeRO-3 (separate venv), zstack_zero3"
+	$(PY) benchmarks/zero3.py
+
+clean:
+	rm -rf $(VENV) runs lightning_logs .pytest_cache

@@ -1,0 +1,1 @@
+"""Native kernels (later issue)."""

@@ -1,0 +1,5 @@
+"""Test utilities: a gloo multi-process harness (spawn N ranks, free port, group timeout)."""
+
+from zlightning.testing._spawn import DistributedTestError, find_free_port, run_distributed
+
+__all__ = ["DistributedTestError", "find_free_port", "run_distributed"]

@@ -1,0 +1,160 @@
+"""A small multi-process harness for distributed tests on CPU with gloo.
+
+[Note: why our own harness]
+``torch.testing._internal`` is private and changes between releases, so tests spawn ranks with this ~150-line module
+instead. Each rank is a fresh ``spawn`` process (no inherited state), the rendezvous uses a free loopback port, and
+the parent enforces one deadline for the whole group: if any rank fails, or the deadline passes (a hung collective),
+every rank is killed and the parent raises with each rank's traceback or a "timed out" line. A hung group therefore
+fails loudly instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DistributedTestError", "find_free_port", "run_distributed"]
+
+
+class DistributedTestError(RuntimeError):
+    """Raised in the parent when a rank fails, exits without a result, or the group exceeds its timeout."""
+
+
+def find_free_port() -> int:
+    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    init_process_group: bool,
+    threads: int,
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        if init_process_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            if init_process_group and dist.is_initialized():
+                dist.destroy_process_group()
+        # Plain pickle (bytes): torch's queue reducers share tensors through file descriptors that vanish with
+        # the rank process.
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 180.0,
+    init_process_group: bool = True,
+    threads: int = 1,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and returns their results by rank.
+
+    Args:
+        fn: a picklable (module-level) function. Its return value must be picklable.
+        world_size: number of ranks to spawn.
+        *args: extra picklable arguments passed to every rank.
+        timeout: seconds for the whole group; on expiry every rank is killed.
+        init_process_group: if True, each rank joins a gloo process group before ``fn`` runs and leaves it after.
+            Use False for code that initialises distributed itself (a Lightning ``Trainer`` reads the
+            ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``LOCAL_RANK`` variables set here and does not relaunch).
+        threads: ``torch.set_num_threads`` in each rank.
+
+    Returns:
+        A list with each rank's return value, indexed by rank.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is included), died, or the group timed out.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, init_process_group, threads, args, results),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    failure: str | None = None
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                failure = f"timed out after {timeout:.0f}s; ranks without a result: " + str(
+                    sorted(set(range(world_size)) - set(outcomes))
+                )
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes]
+                if dead:
+                    # Give the queue a moment: a rank that just exited may still be flushing its result.
+                    time.sleep(0.5)
+                    while not results.empty():
+                        rank, ok, payload = results.get()
+                        outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
+                    dead = [r for r in dead if r not in outcomes]
+                    if dead:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        failure = f"ranks {dead} exited without a result (exit codes {codes})"
+                        break
+                continue
+            outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
+            if not ok:
+                failure = f"rank {rank} raised:\n{payload}"
+                break
+    finally:
+        if failure is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failure is not None:
+        others = "".join(f"\n--- rank {r} also raised:\n{v}" for r, (ok, v) in outcomes.items() if not ok and v not in failure)
+        raise DistributedTestError(f"distributed test failed: {failure}{others}")
+    return [outcomes[r][1] for r in range(world_size)]

@@ -1,0 +1,52 @@
+"""ZeRO-3 engine (Lightning-free): parameters, gradients and optimizer state sharded across data-parallel ranks.
+
+Public surface::
+
+    state = zero3_shard(model, ZeroConfig(...))          # shard in place
+    attach_optimizer(state, optimizer)                    # optimizer built over the full parameters
+    DeepSpeedZeroOptimizer_Stage3(model, optimizer, ...)  # the same, with backward/step/clipping/loss scaling
+"""
+
+from zlightning.zero._api import zero3_shard
+from zlightning.zero._checkpoint import (
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_optim_state_dict,
+    load_full_state_dict,
+    unshard_module,
+)
+from zlightning.zero._config import MixedPrecisionPolicy, ZeroConfig
+from zlightning.zero._optimizer import (
+    DeepSpeedZeroOptimizer_Stage3,
+    DynamicLossScaler,
+    LossScalerConfig,
+    MemoryReport,
+    attach_optimizer,
+    clip_grad_norm_,
+    global_grad_norm,
+    memory_report,
+)
+from zlightning.zero._state import ZeroState
+
+ZeroOptimizer = DeepSpeedZeroOptimizer_Stage3
+
+__all__ = [
+    "DeepSpeedZeroOptimizer_Stage3",
+    "DynamicLossScaler",
+    "LossScalerConfig",
+    "MemoryReport",
+    "MixedPrecisionPolicy",
+    "ZeroConfig",
+    "ZeroOptimizer",
+    "ZeroState",
+    "attach_optimizer",
+    "clip_grad_norm_",
+    "full_optim_state_dict",
+    "full_state_dict",
+    "global_grad_norm",
+    "load_full_optim_state_dict",
+    "load_full_state_dict",
+    "memory_report",
+    "unshard_module",
+    "zero3_shard",
+]

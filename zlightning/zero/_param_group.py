@@ -1,0 +1,271 @@
+"""One communication group: parameters gathered by one all-gather and reduced by one reduce-scatter.
+
+[Note: flat layout]
+A group's parameters (same dtype, same ``requires_grad``) are laid end to end (total ``T`` elements) and padded to
+``W * S`` with ``S = ceil(T / W)``; rank ``r`` owns elements ``[r*S, (r+1)*S)``. The all-gather output *is* the
+unsharded flat buffer, so gathered parameters are zero-copy views into it; gradients are packed into the same layout
+(one copy) for the reduce-scatter. Padding is zero and never belongs to a parameter.
+
+[Note: storage lifetime and autograd]
+Gathered full tensors are created with ``Tensor.set_`` on the buffer's storage, so they are not autograd views of the
+buffer and have their own version counters: refilling the buffer (all-gather before backward) does not trip autograd's
+saved-tensor version check. Releasing shrinks the storage to 0 bytes (``untyped_storage().resize_(0)``): tensors that
+autograd saved keep their identity and get their bytes back when the group is gathered again before its backward.
+
+[Note: gradients through autograd]
+In grad mode the full tensors are the outputs of ``_UnshardFn`` whose inputs are the shard pieces. Autograd calls its
+backward once per application, after every use of those full tensors has produced its gradient (modules called
+twice, tied weights inside the unit), and that is where the reduce-scatter is issued. It returns no gradient to the
+pieces: the engine accumulates reduce-scatter results into an fp32 flat gradient it owns, whose slices become the
+pieces' ``.grad`` (see ``ZeroState`` for the unused-parameter protocol).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from zlightning.zero._collectives import CommHandle, CommStreams, all_gather_into, reduce_scatter_into
+from zlightning.zero._param import ZeroParam
+
+if TYPE_CHECKING:
+    from zlightning.zero._state import ZeroState
+
+__all__ = ["GroupState", "ZeroParamGroup"]
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"  # only the local shard exists
+    GATHERING = "gathering"  # an all-gather into the buffer is in flight
+    UNSHARDED = "unsharded"  # the buffer holds the full parameters
+
+
+class _UnshardFn(torch.autograd.Function):
+    """Identity from shard pieces to full tensors, whose backward reduce-scatters the full gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, group: ZeroParamGroup, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        return tuple(group.full_tensors())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
+        ctx.group.state.post_backward(ctx.group, grads)
+        return (None,) * (len(grads) + 1)
+
+
+class ZeroParamGroup:
+    """Owns a flat fp32 shard, its gradient, and the unsharded buffer of a set of parameters."""
+
+    params: list[ZeroParam]
+    state: ZeroState
+    persistent: bool  # stays gathered between uses (small parameters)
+    requires_grad: bool
+    numel: int  # T: unpadded total
+    shard_numel: int  # S
+    shard: torch.Tensor  # [S] master dtype; pieces are views
+    grad: torch.Tensor | None  # [S] fp32 accumulated gradient (pieces' .grad are views)
+    buffer: torch.Tensor  # [W*S] param dtype; storage is 0 bytes while SHARDED
+    status: GroupState
+    stale: bool  # gathered data predates the last optimizer step
+
+    def __init__(
+        self, params: list[ZeroParam], state: ZeroState, *, persistent: bool, param_dtype: torch.dtype | None
+    ) -> None:
+        self.params = params
+        self.state = state
+        self.persistent = persistent
+        self.requires_grad = params[0].requires_grad
+        self.master_dtype = params[0].dtype
+        self.param_dtype = param_dtype if (param_dtype is not None and self.master_dtype.is_floating_point) else self.master_dtype
+        self.world = state.world_size
+        self.rank = state.rank
+        self.numel = sum(p.numel for p in params)
+        self.shard_numel = -(-self.numel // self.world)
+        self.device = params[0].original.device
+        self.grad = None
+        self.status = GroupState.SHARDED
+        self.stale = False
+        self._handle: CommHandle | None = None
+        self._installed = False
+        self._autograd_fulls: tuple[torch.Tensor, ...] | None = None
+        self._fulls_pass = -1
+        self.pending_backward = 0
+        self._fresh: list[ZeroParam] = []  # pieces whose .grad this backward created (see ZeroState.finish_backward)
+        self._build_shard()
+
+    # ---------------------------------------------------------------- construction
+    def _build_shard(self) -> None:
+        start = self.rank * self.shard_numel
+        flat = torch.zeros(self.world * self.shard_numel, dtype=self.master_dtype, device=self.device)
+        offset = 0
+        for p in self.params:
+            flat[offset : offset + p.numel].copy_(p.original.detach().reshape(-1))
+            p.place(offset, start, start + self.shard_numel)
+            offset += p.numel
+        if self.state.sync_module_states and self.world > 1:
+            dist.broadcast(flat, src=self.state.global_src, group=self.state.process_group)
+        self.shard = flat[start : start + self.shard_numel].clone()
+        del flat
+        for p in self.params:
+            p.bind_piece(self.shard, start)
+            p.release_original_storage()
+        self.buffer = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        self._free_buffer()
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return self.world * self.shard_numel * self.buffer.element_size()
+
+    # ---------------------------------------------------------------- all-gather
+    def start_gather(self, async_op: bool) -> None:
+        """SHARDED -> GATHERING (or UNSHARDED when synchronous). No-op if already gathered or gathering."""
+        if self.status is not GroupState.SHARDED:
+            return
+        self.buffer.untyped_storage().resize_(self.unsharded_bytes)
+        src = self.shard if self.param_dtype == self.master_dtype else self.shard.to(self.param_dtype)
+        streams: CommStreams = self.state.streams
+        if self.world == 1:
+            self.buffer.copy_(src)
+            self._handle = None
+            self.status = GroupState.UNSHARDED
+        else:
+            self._handle = all_gather_into(
+                self.buffer, src, self.state.process_group, async_op=async_op, stream=streams.all_gather
+            )
+            self.status = GroupState.GATHERING
+        self.stale = False
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        """GATHERING -> UNSHARDED."""
+        if self.status is GroupState.GATHERING:
+            handle, self._handle = self._handle, None
+            if handle is not None:
+                handle.wait()
+            self.status = GroupState.UNSHARDED
+
+    def unshard(self) -> None:
+        """Ensures the full parameters are in the buffer and current (re-gathers after an optimizer step)."""
+        if self.stale and self.status is not GroupState.SHARDED:
+            self.reshard()
+        self.start_gather(async_op=False)
+        self.wait_gather()
+
+    def reshard(self) -> None:
+        """Any state -> SHARDED: modules hold the pieces again and the buffer's bytes are freed."""
+        self.wait_gather()
+        self.uninstall()
+        if self.status is GroupState.UNSHARDED:
+            self._free_buffer()
+        self.status = GroupState.SHARDED
+        self._autograd_fulls = None
+        self._fulls_pass = -1
+
+    def _free_buffer(self) -> None:
+        if self.device.type == "cuda":
+            # The storage may still be read by kernels queued on the compute stream.
+            torch.cuda.current_stream(self.device).synchronize()
+        self.buffer.untyped_storage().resize_(0)
+
+    # ---------------------------------------------------------------- module slots
+    def full_tensors(self) -> list[torch.Tensor]:
+        """Fresh full-shape tensors over the buffer's storage (see [Note: storage lifetime and autograd])."""
+        storage = self.buffer.untyped_storage()
+        out = []
+        with torch.inference_mode(False):
+            for p in self.params:
+                t = torch.empty(0, dtype=self.param_dtype, device=self.device)
+                t.set_(storage, p.offset, p.shape, _contiguous_strides(p.shape))
+                out.append(t)
+        return out
+
+    def install(self, pass_id: int) -> None:
+        """Points every module slot at the full tensors (autograd-connected in grad mode, once per pass)."""
+        if self.status is not GroupState.UNSHARDED:
+            raise AssertionError(f"install() on a group in state {self.status}")
+        if self.requires_grad and torch.is_grad_enabled():
+            if self._fulls_pass != pass_id or self._autograd_fulls is None:
+                self._autograd_fulls = _UnshardFn.apply(self, *[p.piece for p in self.params])
+                self._fulls_pass = pass_id
+                self.pending_backward += 1
+            fulls: list[torch.Tensor] | tuple[torch.Tensor, ...] = self._autograd_fulls
+        else:
+            fulls = self.full_tensors()
+        for p, t in zip(self.params, fulls):
+            p.install(t)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            for p in self.params:
+                p.install(p.piece)
+            self._installed = False
+
+    # ---------------------------------------------------------------- gradients
+    def pack_gradients(self, grads: tuple[torch.Tensor | None, ...], reduce_dtype: torch.dtype) -> torch.Tensor:
+        """Full gradients -> one flat [W*S] buffer in ``reduce_dtype`` (zeros for missing gradients and padding)."""
+        flat = torch.empty(self.world * self.shard_numel, dtype=reduce_dtype, device=self.device)
+        for p, g in zip(self.params, grads):
+            dst = flat[p.offset : p.offset + p.numel]
+            if g is None:
+                dst.zero_()
+            else:
+                dst.copy_(g.reshape(-1))
+        flat[self.numel :].zero_()
+        return flat
+
+    def start_reduce_scatter(self, flat: torch.Tensor, async_op: bool) -> CommHandle:
+        out = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
+        if self.world == 1:
+            out.copy_(flat)
+            return CommHandle(None, out)
+        return reduce_scatter_into(
+            out, flat, self.state.process_group, async_op=async_op, stream=self.state.streams.reduce_scatter
+        )
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """Adds an averaged reduce-scatter result into the pieces' gradients (creating them where absent)."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.device)
+        base = self.rank * self.shard_numel
+        own = True
+        for p in self.params:
+            view = self.grad[p.local_start - base : p.local_end - base]
+            g = p.piece.grad
+            if g is None:
+                view.zero_()
+                p.piece.grad = view
+                self._fresh.append(p)
+            elif not _is_view_of(g, view):
+                own = False
+        if own:
+            self.grad.add_(reduced.to(self.master_dtype))
+            return
+        for p in self.params:  # a user replaced some .grad tensors: add piece by piece
+            lo, hi = p.local_start - base, p.local_end - base
+            p.piece.grad.add_(reduced[lo:hi].to(self.master_dtype))  # type: ignore[union-attr]
+
+    def take_fresh(self) -> list[ZeroParam]:
+        fresh, self._fresh = self._fresh, []
+        return fresh
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _is_view_of(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and (
+        a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )

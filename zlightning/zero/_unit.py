@@ -1,0 +1,156 @@
+"""Sharding units: module subtrees whose parameters are gathered together, and how units are chosen.
+
+[Note: units, not parameters]
+Gathering per unit (one transformer block, say) keeps the number of collectives small and predictable: one
+all-gather per group per use and one reduce-scatter per group per backward. A parameter shared by modules of two
+units (tied embedding and head) belongs to the deepest unit that contains all of its modules, usually the root.
+The root unit is special: its parameters are gathered on first use in a step and released when the step's backward
+ends (or at the end of a no-grad pass), because they typically frame the whole forward (embeddings, head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zlightning.zero._param_group import ZeroParamGroup
+
+if TYPE_CHECKING:
+    from zlightning.zero._state import ZeroState
+
+__all__ = ["UnitPolicy", "ZeroUnit", "select_unit_modules"]
+
+UnitPolicy = Callable[[str, nn.Module], bool]
+"""``policy(qualified_name, module) -> bool``: True makes the module a sharding unit."""
+
+
+class ZeroUnit:
+    """A module subtree gathered as one: owns its groups and the hooks on its module."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, state: ZeroState, is_root: bool) -> None:
+        self.index = index
+        self.name = name or "<root>"
+        self.module = module
+        self.state = state
+        self.is_root = is_root
+        self.groups: list[ZeroParamGroup] = []
+        self._handles: list[Any] = []
+
+    @property
+    def numel(self) -> int:
+        return sum(g.world * g.shard_numel for g in self.groups)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return sum(g.unsharded_bytes for g in self.groups)
+
+    def is_gathered(self) -> bool:
+        return all(g.status.value != "sharded" and not g.stale for g in self.groups)
+
+    def start_gather(self) -> None:
+        for g in self.groups:
+            if g.stale:
+                g.reshard()
+            g.start_gather(async_op=True)
+
+    def unshard(self) -> None:
+        for g in self.groups:
+            g.unshard()
+
+    def install(self, pass_id: int) -> None:
+        for g in self.groups:
+            g.install(pass_id)
+
+    def reshard(self) -> None:
+        for g in self.groups:
+            g.reshard()
+
+    # ---------------------------------------------------------------- hooks
+    def register_hooks(self) -> None:
+        if self.is_root:
+            return
+        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, prepend=True))
+        self._handles.append(self.module.register_forward_hook(self._post_forward, always_call=True))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.state.unit_pre_forward(self)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.is_grad_enabled() and any(g.requires_grad for g in self.groups):
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward_hook)
+        self.state.unit_post_forward(self)
+        return output
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.state.unit_pre_backward(self)
+        return None
+
+    def __repr__(self) -> str:
+        return f"ZeroUnit({self.name}, numel={self.numel}, groups={len(self.groups)})"
+
+
+def _matches(names: tuple[str, ...]) -> UnitPolicy:
+    def policy(qualname: str, module: nn.Module) -> bool:
+        cls = type(module)
+        return cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
+
+    return policy
+
+
+def _auto_units(root: nn.Module) -> list[str]:
+    """Repeated blocks (ModuleList/Sequential members with a same-class sibling), else parameter-holding children."""
+    picked: list[str] = []
+    for name, module in root.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            classes = [type(c) for _, c in children]
+            for child_name, child in children:
+                if classes.count(type(child)) >= 2 and any(True for _ in child.parameters()):
+                    picked.append(f"{name}.{child_name}" if name else child_name)
+    if picked:
+        # Keep only outermost picks (a repeated block inside a repeated block stays inside its parent unit).
+        return [n for n in picked if not any(n.startswith(p + ".") for p in picked if p != n)]
+    node, prefix = root, ""
+    while True:
+        holders = [(n, c) for n, c in node.named_children() if any(True for _ in c.parameters())]
+        if len(holders) == 1 and not any(True for _ in node.parameters(recurse=False)):
+            prefix = f"{prefix}{holders[0][0]}."
+            node = holders[0][1]
+            continue
+        return [f"{prefix}{n}" for n, _ in holders if len(holders) > 1]
+
+
+def select_unit_modules(
+    root: nn.Module, unit_modules: tuple[str, ...], policy: UnitPolicy | None
+) -> list[tuple[str, nn.Module]]:
+    """Returns ``(qualified name, module)`` of every non-root unit, in module registration order.
+
+    Raises:
+        ValueError: ``unit_modules`` names a class that does not occur in the model.
+    """
+    if policy is None and unit_modules:
+        policy = _matches(unit_modules)
+        present = {type(m).__name__ for m in root.modules()} | {
+            f"{type(m).__module__}.{type(m).__qualname__}" for m in root.modules()
+        }
+        missing = [n for n in unit_modules if n not in present]
+        if missing:
+            raise ValueError(
+                f"ZeroConfig.unit_modules names {missing}, which no module of {type(root).__name__} is an instance of. "
+                f"Module classes present: {sorted({type(m).__name__ for m in root.modules()})}"
+            )
+    if policy is None:
+        wanted = set(_auto_units(root))
+        return [(n, m) for n, m in root.named_modules() if n in wanted]
+    return [(n, m) for n, m in root.named_modules() if n and policy(n, m) and any(True for _ in m.parameters())]
