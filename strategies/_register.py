@@ -1,0 +1,8 @@
+"""Import-time registration of zlightning's strategies with Lightning (third-party strategies are not discovered)."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from zlightning.strategies.zero3 import ZStackZero3Strategy
+
+if ZStackZero3Strategy.strategy_name not in StrategyRegistry:
+    ZStackZero3Strategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,389 @@
+"""``zstack_zero3``: a thin Lightning adapter over the ZeRO-3 engine in ``zlightning.zero``.
+
+[Note: optimizers before sharding]
+Lightning's FSDP strategies shard first and build optimizers after, which makes ``configure_optimizers`` see
+flattened shards (``p.ndim == 1`` everywhere, so the usual "decay only matrices" grouping silently breaks). Like
+DeepSpeed, this strategy calls ``configure_optimizers`` while the parameters are still full, then shards the model and
+re-points each optimizer's parameter lists to the shard pieces (``attach_optimizer``). Optimizers are created lazily
+(no state yet), so nothing full-sized is ever allocated for them. Sharded initialisation for models that do not fit
+in full is a later issue's job.
+
+[Note: checkpoints here]
+``lightning_module_state_dict`` and ``optimizer_state`` gather full, world-size independent state on rank 0 (the
+layout a single-process run would write), so ``trainer.save_checkpoint``, ``ModelCheckpoint`` and ``ckpt_path=``
+work unchanged, and a checkpoint loads into the plain model. Loading happens after setup
+(``restore_checkpoint_after_setup``): every rank reads the file and copies its own slices.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from zlightning.strategies._precision import ZeroPrecision
+from zlightning.zero import (
+    MemoryReport,
+    MixedPrecisionPolicy,
+    ZeroConfig,
+    ZeroState,
+    attach_optimizer,
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_optim_state_dict,
+    load_full_state_dict,
+    memory_report,
+    unshard_module,
+    zero3_shard,
+)
+
+__all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor"]
+
+log = logging.getLogger(__name__)
+
+
+class ZStackZero3Strategy(ParallelStrategy):
+    """ZeRO stage 3 data parallelism: parameters, gradients and optimizer state sharded across ranks.
+
+    Use ``Trainer(strategy="zstack_zero3")`` (after ``import zlightning``) or pass an instance to tune the engine::
+
+        Trainer(strategy=ZStackZero3Strategy(ZeroConfig(unit_modules=("Block",))), precision="bf16-mixed")
+
+    Any ``LightningModule`` works unchanged; ``configure_optimizers`` sees the full parameters. After ``fit`` the
+    module is a plain module again on every rank (full parameters), so it can be used for generation directly.
+
+    Args:
+        zero: engine knobs (prefetch, persistence, buckets, overlap, units). See ``ZeroConfig``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+        process_group_backend: ``"gloo"``/``"nccl"``; default: gloo on CPU, nccl on CUDA.
+        timeout: collective timeout (a hung rank fails after this instead of blocking forever).
+        start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``.
+    """
+
+    strategy_name = "zstack_zero3"
+
+    def __init__(
+        self,
+        zero: ZeroConfig | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if zero is not None and not isinstance(zero, ZeroConfig):
+            raise TypeError(f"ZStackZero3Strategy(zero=...) expects a ZeroConfig, got {type(zero).__name__}")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"ZStackZero3Strategy(start_method=...) must be popen/spawn/fork/forkserver, got {start_method!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.zero = zero or ZeroConfig()
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._engine: ZeroState | None = None
+        self._failed = False
+
+    # ---------------------------------------------------------------- identity and ranks
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to inject a DistributedSampler and honour ``self.log(sync_dist=True)``."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError("zstack_zero3: root_device is read before the Trainer set parallel_devices")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def engine(self) -> ZeroState | None:
+        """The ZeRO-3 engine state while the model is sharded (between setup and teardown)."""
+        return self._engine
+
+    # ---------------------------------------------------------------- precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is None or isinstance(plugin, ZeroPrecision):
+            self._precision_plugin = plugin
+            return
+        if type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision"):
+            raise TypeError(
+                f"zstack_zero3 manages precision itself and cannot use {type(plugin).__name__}; pass "
+                "Trainer(precision='32-true'|'bf16-mixed'|'bf16-true'|'16-mixed'|'16-true') instead"
+            )
+        self._precision_plugin = ZeroPrecision(getattr(plugin, "precision", "32-true"))
+
+    # ---------------------------------------------------------------- launch and process group
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment is None:
+            raise AssertionError("cluster_environment must be set before the launcher")
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        if self.cluster_environment is None:
+            raise AssertionError("cluster_environment must be set before setup_environment")
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ---------------------------------------------------------------- setup and teardown
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.accelerator is None:
+            raise AssertionError("accelerator must be set before setup")
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)  # over full parameters: see [Note: optimizers before sharding]
+        plugin = self.precision_plugin
+        if not isinstance(plugin, ZeroPrecision):
+            raise AssertionError(f"unexpected precision plugin {type(plugin).__name__}")
+        config = self._config_for(plugin)
+        if self.model is None:
+            raise AssertionError("setup() before connect()")
+        self._engine = zero3_shard(self.model, config)
+        for optimizer in self.optimizers:
+            attach_optimizer(self._engine, optimizer)
+        plugin.engine = self._engine
+        plugin.device = self.root_device.type
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _config_for(self, plugin: ZeroPrecision) -> ZeroConfig:
+        wanted = self.zero.mixed_precision.param_dtype
+        if wanted is not None and wanted != plugin.param_dtype:
+            raise ValueError(
+                f"ZeroConfig.mixed_precision.param_dtype={wanted!r} contradicts Trainer(precision="
+                f"{plugin.precision!r}); leave param_dtype unset and choose the precision on the Trainer"
+            )
+        policy = MixedPrecisionPolicy(param_dtype=plugin.param_dtype, reduce_dtype=self.zero.mixed_precision.reduce_dtype)
+        return ZeroConfig(**{**self.zero.__dict__, "mixed_precision": policy})
+
+    @override
+    def model_to_device(self) -> None:
+        if self.model is None:
+            raise AssertionError("model_to_device() before connect()")
+        self.model.to(self.root_device)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Another rank may be gone: teardown must not start collectives (see teardown).
+        self._failed = True
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            if self._failed:
+                self._engine.remove_hooks()
+            else:
+                unshard_module(self._engine)  # plain module with full parameters on every rank
+            self._engine = None
+            if isinstance(self._precision_plugin, ZeroPrecision):
+                self._precision_plugin.engine = None
+        super().teardown()
+
+    # ---------------------------------------------------------------- steps
+    def _pass(self) -> Any:
+        return self._engine.forward_pass() if self._engine is not None else nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._pass():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._pass():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._pass():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._pass():
+            return super().predict_step(*args, **kwargs)
+
+    # ---------------------------------------------------------------- collectives used by Lightning
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # ---------------------------------------------------------------- checkpoints: see [Note: checkpoints here]
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._engine is None:
+            return super().lightning_module_state_dict()
+        return full_state_dict(self._engine, rank0_only=True)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._engine is None:
+            return super().optimizer_state(optimizer)
+        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the torch one
+        return full_optim_state_dict(self._engine, inner, rank0_only=True)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if self._engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        load_full_state_dict(self._engine, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self._engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"checkpoint has {len(states)} optimizer states but configure_optimizers returned "
+                f"{len(self.optimizers)} optimizers"
+            )
+        for optimizer, osd in zip(self.optimizers, states):
+            load_full_optim_state_dict(self._engine, getattr(optimizer, "_optimizer", optimizer), osd)
+
+    # ---------------------------------------------------------------- reporting
+    def memory_report(self) -> MemoryReport:
+        """This rank's resident model-state bytes (sharded params, grads, optimizer state, gathered copies).
+
+        Raises:
+            RuntimeError: called outside setup..teardown (the model is not sharded then).
+        """
+        if self._engine is None:
+            raise RuntimeError(
+                "memory_report() needs a sharded model: call it during fit (e.g. from a callback) or use "
+                "ZeroMemoryMonitor; after fit the module is plain again"
+            )
+        return memory_report(self._engine, [getattr(o, "_optimizer", o) for o in self.optimizers])
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="ZeRO stage 3: parameters, gradients and optimizer state sharded"
+        )
+
+
+class ZeroMemoryMonitor(Callback):
+    """Logs ``zstack_zero3``'s memory report (MB per rank, rank 0's values) every ``every_n_steps`` steps and keeps
+    the last report in ``self.last``."""
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"ZeroMemoryMonitor(every_n_steps=...) must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.last: MemoryReport | None = None
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, ZStackZero3Strategy) or strategy.engine is None:
+            return
+        if trainer.global_step % self.every_n_steps:
+            return
+        self.last = strategy.memory_report()
+        mb = {f"zero/{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
+        pl_module.log_dict(mb, rank_zero_only=True)
