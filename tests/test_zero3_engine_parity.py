@@ -40,9 +40,10 @@ def _zero_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, clip: f
     [
         ZeroConfig(),
         ZeroConfig(overlap_comm=False, param_persistence_threshold=0),
+        ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=1),
         ZeroConfig(prefetch_bucket_size=0, unit_modules=("Block", "MLP"), reduce_bucket_size=10),
     ],
-    ids=["default", "sync-no-persist", "nested-units"],
+    ids=["default", "sync-no-persist", "prefetch-one-no-persist", "nested-units"],
 )
 def test_parity_with_single_process(cfg: ZeroConfig) -> None:
     world, accumulate, clip, steps = 2, 2, 0.5, 3

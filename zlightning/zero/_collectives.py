@@ -38,6 +38,7 @@ class CommHandle:
     work: dist.Work | None
     output: torch.Tensor
     stream: torch.cuda.Stream | None = None
+    source: torch.Tensor | None = None  # the input, kept alive until the collective completes
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -46,6 +47,7 @@ class CommHandle:
         if self.stream is not None:
             torch.cuda.current_stream(self.output.device).wait_stream(self.stream)
             self.stream = None
+        self.source = None
         return self.output
 
 
@@ -73,7 +75,7 @@ def all_gather_into(
     else:
         with ctx:
             work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
-    handle = CommHandle(work if async_op else None, output, stream)
+    handle = CommHandle(work if async_op else None, output, stream, shard)
     if not async_op:
         handle.wait()
     return handle
@@ -94,7 +96,7 @@ def reduce_scatter_into(
     else:
         with ctx:
             work = dist.reduce_scatter_single(output, full, group=group, async_op=async_op)
-    handle = CommHandle(work if async_op else None, output, stream)
+    handle = CommHandle(work if async_op else None, output, stream, full)
     if not async_op:
         handle.wait()
     return handle

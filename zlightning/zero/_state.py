@@ -211,8 +211,7 @@ class ZeroState:
 
     def unit_pre_backward(self, unit: ZeroUnit) -> None:
         self._queue_finish()
-        if not unit.is_gathered():
-            unit.unshard()
+        unit.unshard()  # also waits for a prefetch still in flight
         if self.config.overlap_comm and unit in self._order:
             pos = self._order.index(unit)
             self._prefetch(list(reversed(self._order[:pos])))
@@ -223,7 +222,7 @@ class ZeroState:
         for unit in upcoming:
             if budget <= 0:
                 return
-            if unit.is_gathered():
+            if unit.is_gathered_or_inflight():
                 continue
             if live + unit.numel > self.config.max_live_parameters:
                 return

@@ -48,7 +48,7 @@ class ZeroUnit:
     def unsharded_bytes(self) -> int:
         return sum(g.unsharded_bytes for g in self.groups)
 
-    def is_gathered(self) -> bool:
+    def is_gathered_or_inflight(self) -> bool:
         return all(g.status.value != "sharded" and not g.stale for g in self.groups)
 
     def start_gather(self) -> None:
@@ -85,7 +85,8 @@ class ZeroUnit:
         self.state.unit_pre_forward(self)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.is_grad_enabled() and any(g.requires_grad for g in self.groups):
+        if torch.is_grad_enabled():
+            # Frozen units need their parameters back too: the input gradient reads them.
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward_hook)
