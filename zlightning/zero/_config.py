@@ -59,6 +59,11 @@ class ZeroConfig:
     """Elements (``stage3_param_persistence_threshold``): parameters with at most this many elements stay gathered
     between uses (re-gathered once after each optimizer step) instead of being gathered per unit."""
 
+    model_persistence_threshold: int | None = None
+    """Elements (``stage3_model_persistence_threshold``): cap on the total size of persistent parameters, filled
+    smallest first. None: 1% of the model, so persistent copies stay within the ZeRO-3 memory budget on small models
+    where every parameter is under ``param_persistence_threshold``."""
+
     max_live_parameters: int = 1_000_000_000
     """Elements (``stage3_max_live_parameters``): prefetch stops when gathered non-persistent elements would exceed
     this. It bounds prefetch, not the parameters a running unit needs."""
@@ -87,6 +92,9 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ZeroConfig.{name} must be an int >= 0 (elements), got {value!r}")
+        cap = self.model_persistence_threshold
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+            raise ValueError(f"ZeroConfig.model_persistence_threshold must be None or an int >= 0, got {cap!r}")
         for name in ("max_live_parameters", "reduce_bucket_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

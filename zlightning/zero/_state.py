@@ -97,13 +97,13 @@ class ZeroState:
         objects: dict[int, nn.Parameter] = {}
         self._walk(self.root, "", [self.units[0]], unit_of_module, owners, objects)
         per_unit: dict[int, list[ZeroParam]] = collections.defaultdict(list)
-        persistent: list[ZeroParam] = []
         for pid, holders in owners.items():
             zp = ZeroParam(len(self.params), objects[pid], [h[0] for h in holders], [(h[1], h[2]) for h in holders])
             self.params.append(zp)
-            if zp.numel <= self.config.param_persistence_threshold:
-                persistent.append(zp)
-            else:
+        chosen = self._persistent_indices()
+        persistent = [zp for zp in self.params if zp.index in chosen]
+        for zp, holders in zip(self.params, owners.values()):
+            if zp.index not in chosen:
                 per_unit[_deepest_common_unit([h[3] for h in holders]).index].append(zp)
         for unit in self.units:
             for params in _split_by_kind(per_unit.get(unit.index, [])):
@@ -125,6 +125,21 @@ class ZeroState:
         for m in lazy.values():
             if m is not self.root:
                 self._root_handles.append(m.register_forward_pre_hook(lambda mod, a: self._ensure_root()))
+
+    def _persistent_indices(self) -> set[int]:
+        """Small parameters that stay gathered, smallest first, within ``model_persistence_threshold``."""
+        cap = self.config.model_persistence_threshold
+        if cap is None:
+            cap = sum(zp.numel for zp in self.params) // 100
+        chosen: set[int] = set()
+        total = 0
+        small = [zp for zp in self.params if zp.numel <= self.config.param_persistence_threshold]
+        for zp in sorted(small, key=lambda z: (z.numel, z.index)):
+            if total + zp.numel > cap:
+                break
+            chosen.add(zp.index)
+            total += zp.numel
+        return chosen
 
     def _walk(
         self,

@@ -1,0 +1,43 @@
+"""Per-rank model-state memory under ZeRO-3 is about 1/N of DDP's (plus padding, persistent params, one unit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests._zero_models import batches, gpt_loss, tiny_gpt
+from zlightning.testing import run_distributed
+from zlightning.zero import DeepSpeedZeroOptimizer_Stage3, ZeroConfig
+
+
+def _measure(rank: int, world: int) -> dict[str, Any]:
+    model = tiny_gpt(d_model=64, n_layer=4, vocab_size=128)
+    numel = sum(p.numel() for p in model.parameters())
+    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=ZeroConfig())
+    after_setup = zero.memory_report()
+    freed = all(zp.original.numel() == 0 for zp in zero.state.params)
+    data = batches(1, 2 * world, vocab=128)[0]
+    zero.backward(gpt_loss(model, data.chunk(world)[rank]))
+    during = zero.memory_report()  # gradients exist, optimizer state not yet
+    zero.step()
+    after_step = zero.memory_report()
+    return {"numel": numel, "setup": after_setup, "during": during, "step": after_step, "freed": freed}
+
+
+def test_model_state_is_one_over_n() -> None:
+    for world in (2, 4):
+        for r in run_distributed(_measure, world, timeout=240):
+            full_params = 4 * r["numel"]
+            setup, step = r["setup"], r["step"]
+            assert r["freed"], "original full parameter storage must be released after sharding"
+            assert setup.full_model_bytes == full_params
+            assert setup.grad_bytes == 0 and setup.optimizer_bytes == 0 and setup.gathered_bytes == 0
+            slack = 1.02
+            assert setup.model_state_bytes <= full_params / world * slack + setup.largest_unit_bytes
+            # DDP holds params + grads + two Adam moments: 16 bytes per parameter.
+            assert step.optimizer_bytes > 0 and step.grad_bytes > 0
+            assert step.gathered_bytes == 0, "nothing but persistent parameters may stay gathered after a step"
+            assert step.model_state_bytes <= 16 * r["numel"] / world * slack + step.largest_unit_bytes
+            # and it is genuinely sharded: well under half of DDP's 16 bytes/param at world 2
+            assert step.param_bytes + step.grad_bytes + step.optimizer_bytes <= 16 * r["numel"] / world * slack
