@@ -118,6 +118,7 @@ class ZStackZero3Strategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._engine: ZeroState | None = None
+        self._attached: list[torch.optim.Optimizer] = []
         self._failed = False
 
     # ---------------------------------------------------------------- identity and ranks
@@ -219,7 +220,9 @@ class ZStackZero3Strategy(ParallelStrategy):
         if self.model is None:
             raise AssertionError("setup() before connect()")
         self._engine = zero3_shard(self.model, config)
-        for optimizer in self.optimizers:
+        # Only this run's optimizers (validate/test after fit keep the fit's, which are not sharded anymore).
+        self._attached = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+        for optimizer in self._attached:
             attach_optimizer(self._engine, optimizer)
         plugin.engine = self._engine
         plugin.device = self.root_device.type
@@ -254,8 +257,10 @@ class ZStackZero3Strategy(ParallelStrategy):
             if self._failed:
                 self._engine.remove_hooks()
             else:
-                unshard_module(self._engine)  # plain module with full parameters on every rank
+                # plain module with full parameters (and full optimizer state) on every rank
+                unshard_module(self._engine, self._attached)
             self._engine = None
+            self._attached = []
             if isinstance(self._precision_plugin, ZeroPrecision):
                 self._precision_plugin.engine = None
         super().teardown()
@@ -357,7 +362,7 @@ class ZStackZero3Strategy(ParallelStrategy):
                 "memory_report() needs a sharded model: call it during fit (e.g. from a callback) or use "
                 "ZeroMemoryMonitor; after fit the module is plain again"
             )
-        return memory_report(self._engine, [getattr(o, "_optimizer", o) for o in self.optimizers])
+        return memory_report(self._engine, self._attached)
 
     @classmethod
     @override

@@ -10,7 +10,7 @@ on the receiving rank plus one group. Sharded, streaming formats are a later iss
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -191,9 +191,12 @@ def load_full_optim_state_dict(state: ZeroState, optimizer: torch.optim.Optimize
     optimizer.load_state_dict({"state": sharded, "param_groups": full["param_groups"]})
 
 
-def unshard_module(state: ZeroState) -> None:
+def unshard_module(state: ZeroState, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
     """Turns the module back into a plain one on every rank: full fp32 parameters restored in the original
-    ``nn.Parameter`` objects, hooks removed. Collective. The engine must not be used afterwards."""
+    ``nn.Parameter`` objects, hooks removed. ``optimizers`` attached to the engine are re-pointed to the original
+    parameters with their full state, so they keep working (and checkpoint correctly) on the plain module.
+    Collective. The engine must not be used afterwards."""
+    full_optim = [full_optim_state_dict(state, opt) for opt in optimizers]
     state.release_all(keep_persistent=False)
     for group in state.groups:
         flat = _gather_flat(group, group.shard)
@@ -201,8 +204,12 @@ def unshard_module(state: ZeroState) -> None:
             with torch.no_grad():
                 zp.original.data = flat[zp.offset : zp.offset + zp.numel].view(zp.shape).clone()
             zp.original.requires_grad_(zp.requires_grad)
-            if zp.piece.grad is not None:
-                zp.original.grad = None
             zp.install(zp.original)
     state.remove_hooks()
+    by_piece = {id(zp.piece): zp.original for zp in state.params}
+    for opt, full in zip(optimizers, full_optim):
+        for group in opt.param_groups:
+            group["params"][:] = [by_piece.get(id(p), p) for p in group["params"]]
+        opt.state.clear()
+        opt.load_state_dict(full)
 

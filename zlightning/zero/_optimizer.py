@@ -327,6 +327,6 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
 
     def unshard_module(self) -> nn.Module:
         """Restores the plain module on every rank (collective) and returns it."""
-        unshard_module(self.state)
+        unshard_module(self.state, [self.optimizer])
         return self.module
 
