@@ -168,9 +168,8 @@ class ZeroParamGroup:
         self._fulls_pass = -1
 
     def _free_buffer(self) -> None:
-        if self.device.type == "cuda":
-            # The storage may still be read by kernels queued on the compute stream.
-            torch.cuda.current_stream(self.device).synchronize()
+        # On CUDA the caching allocator is stream-ordered: kernels already queued on the compute stream finish
+        # before the block is reused there, and the all-gather stream's use was recorded (see _collectives.py).
         self.buffer.untyped_storage().resize_(0)
 
     # ---------------------------------------------------------------- module slots

@@ -1,0 +1,25 @@
+"""The main job in its short form (what `make demo` runs, a few steps): 2 processes, logs, checkpoint, report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_short(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "examples/demo.py", "--short", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for line in ("final validation loss", "throughput", "TensorBoard logs", "checkpoint", "sample"):
+        assert line in out, out[-2000:]
+    loss = float(out.split("final validation loss :")[1].split()[0])
+    assert 0 < loss < 6
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "TensorBoard event file missing"
+    assert list(tmp_path.rglob("last.ckpt")), "checkpoint missing"
