@@ -91,7 +91,7 @@ class ZStackZero3Strategy(ParallelStrategy):
 
     def __init__(
         self,
-        zero: ZeroConfig | None = None,
+        zero: ZeroConfig = ZeroConfig(),
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -101,7 +101,7 @@ class ZStackZero3Strategy(ParallelStrategy):
         timeout: timedelta = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if zero is not None and not isinstance(zero, ZeroConfig):
+        if not isinstance(zero, ZeroConfig):
             raise TypeError(f"ZStackZero3Strategy(zero=...) expects a ZeroConfig, got {type(zero).__name__}")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"ZStackZero3Strategy(start_method=...) must be popen/spawn/fork/forkserver, got {start_method!r}")
@@ -112,7 +112,7 @@ class ZStackZero3Strategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.zero = zero or ZeroConfig()
+        self.zero = zero
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout

@@ -60,3 +60,21 @@ def test_registered_with_lightning() -> None:
     assert trainer.strategy.precision_plugin.param_dtype == "bf16"
     with pytest.raises(ValueError, match="precision"):
         Trainer(strategy="zstack_zero3", accelerator="cpu", devices=2, logger=False, precision="64-true")
+
+
+def test_unit_selection() -> None:
+    from torch import nn
+
+    from tests._zero_models import tiny_gpt
+    from zlightning.zero._unit import select_unit_modules
+
+    names = [n for n, _ in select_unit_modules(tiny_gpt(), (), None)]
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]
+    one_block = [n for n, _ in select_unit_modules(tiny_gpt(n_layer=1), (), None)]
+    assert one_block == ["blocks.0"]
+    flat = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Conv1d(3, 3, 1))
+    assert [n for n, _ in select_unit_modules(flat, (), None)] == ["0", "2"]
+    with pytest.raises(ValueError, match="Block9"):
+        select_unit_modules(tiny_gpt(), ("Block9",), None)
+    with pytest.raises(ValueError, match="ModuleList"):
+        select_unit_modules(tiny_gpt(), ("ModuleList",), None)

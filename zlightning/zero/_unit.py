@@ -109,27 +109,44 @@ def _matches(names: tuple[str, ...]) -> UnitPolicy:
     return policy
 
 
+def _holds_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: hooks on them would never fire
+
+
 def _auto_units(root: nn.Module) -> list[str]:
-    """Repeated blocks (ModuleList/Sequential members with a same-class sibling), else parameter-holding children."""
+    """Blocks (members of a ``ModuleList``, or of a ``Sequential`` with a same-class sibling), else the
+    parameter-holding children of the root (looking through single-child wrappers and containers)."""
     picked: list[str] = []
     for name, module in root.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.named_children())
             classes = [type(c) for _, c in children]
             for child_name, child in children:
-                if classes.count(type(child)) >= 2 and any(True for _ in child.parameters()):
+                repeated = isinstance(module, nn.ModuleList) or classes.count(type(child)) >= 2
+                if repeated and _holds_params(child) and not isinstance(child, _CONTAINERS):
                     picked.append(f"{name}.{child_name}" if name else child_name)
     if picked:
         # Keep only outermost picks (a repeated block inside a repeated block stays inside its parent unit).
         return [n for n in picked if not any(n.startswith(p + ".") for p in picked if p != n)]
     node, prefix = root, ""
     while True:
-        holders = [(n, c) for n, c in node.named_children() if any(True for _ in c.parameters())]
+        holders = [(n, c) for n, c in node.named_children() if _holds_params(c)]
         if len(holders) == 1 and not any(True for _ in node.parameters(recurse=False)):
             prefix = f"{prefix}{holders[0][0]}."
             node = holders[0][1]
             continue
-        return [f"{prefix}{n}" for n, _ in holders if len(holders) > 1]
+        if len(holders) <= 1:
+            return []
+        out: list[str] = []
+        for n, c in holders:
+            if isinstance(c, _CONTAINERS):
+                out += [f"{prefix}{n}.{cn}" for cn, cc in c.named_children() if _holds_params(cc)]
+            else:
+                out.append(f"{prefix}{n}")
+        return out
 
 
 def select_unit_modules(
@@ -154,4 +171,11 @@ def select_unit_modules(
     if policy is None:
         wanted = set(_auto_units(root))
         return [(n, m) for n, m in root.named_modules() if n in wanted]
-    return [(n, m) for n, m in root.named_modules() if n and policy(n, m) and any(True for _ in m.parameters())]
+    chosen = [(n, m) for n, m in root.named_modules() if n and policy(n, m) and _holds_params(m)]
+    containers = [n for n, m in chosen if isinstance(m, _CONTAINERS)]
+    if containers:
+        raise ValueError(
+            f"sharding units {containers} are ModuleList/ModuleDict containers, which are never called, so their "
+            "parameters would never be gathered: choose the modules inside them (e.g. the block class) instead"
+        )
+    return chosen

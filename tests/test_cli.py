@@ -1,0 +1,153 @@
+"""The ``zlightning`` command (`zlightning.cli`): help, config resolution, and an end-to-end ZeRO-3 run.
+
+Help and ``--print_config`` run in-process (`main` with an explicit argument list, SystemExit caught); training runs
+as a subprocess (``python -m zlightning.cli``) because the ``popen`` launcher re-runs the command for rank 1.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zlightning.cli import main
+from zlightning.zero import ZeroConfig
+from zlightning.zero._config import MixedPrecisionPolicy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "examples/gpt_zero3.yaml"
+STRATEGY = "zlightning.strategies.ZStackZero3Strategy"
+
+# Overrides that shrink examples/gpt_zero3.yaml to a few seconds on 2 CPU processes. limit_val_batches is 2, not 1:
+# Trainer types it float-first, so the CLI reads "1" as 1.0, which means "all validation batches".
+TINY = [
+    "--trainer.accelerator=cpu",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+    "--model.d_model=32",
+    "--model.n_layer=1",
+    "--model.n_head=2",
+    "--model.seq_len=32",
+    "--data.seq_len=32",
+    "--data.max_bytes=100000",
+]
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, by field name."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    if not isinstance(body, ast.ClassDef):
+        raise AssertionError(f"{cls.__name__}: expected a class definition, got {type(body).__name__}")
+    docs: dict[str, str] = {}
+    for node, after in zip(body.body, body.body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = str(after.value.value)
+    return docs
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Runs `main(args)` from the repository root, expecting it to exit 0, and returns its stdout."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code in (0, None), capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+@pytest.fixture(autouse=True)
+def _isolated_process_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() puts the working directory on sys.path; LightningCLI warns when sys.argv also holds arguments.
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", ["zlightning"])
+
+
+def test_fit_help_points_to_strategy_knobs(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_main(["fit", "--help"], capsys)
+    assert "--trainer.strategy STRATEGY" in out
+    assert "--model CONFIG" in out and "--data CONFIG" in out
+    assert f"--trainer.strategy.help {STRATEGY}" in _words(out)
+
+
+def test_strategy_class_help_lists_every_zero_knob_with_its_doc(capsys: pytest.CaptureFixture[str]) -> None:
+    strategy_help = _run_main(["fit", "--trainer.strategy.help", STRATEGY], capsys)
+    assert "--trainer.strategy.start_method {popen,spawn,fork,forkserver}" in strategy_help
+    out = _words(strategy_help)
+    for cls, prefix in ((ZeroConfig, "zero."), (MixedPrecisionPolicy, "zero.mixed_precision.")):
+        docs = _attribute_docs(cls)
+        for field in dataclasses.fields(cls):
+            assert field.name in docs, f"{cls.__name__}.{field.name} has no docstring to show"
+            if field.name != "mixed_precision":  # a nested dataclass: its doc titles the group of its fields
+                assert f"--trainer.strategy.{prefix}{field.name}" in out
+            # rstrip: a group title ends with ":" instead of the doc's final period
+            doc = _words(docs[field.name]).rstrip(".")
+            assert doc in out, f"{cls.__name__}.{field.name}: its doc is missing from the help"
+
+
+def test_print_config_resolves_strategy_class_and_knobs(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_main(["fit", "--config", CONFIG, "--print_config"], capsys)
+    config = yaml.safe_load(out)
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == STRATEGY
+    zero = strategy["init_args"]["zero"]
+    assert zero["unit_modules"] == ["Block"]
+    assert zero["prefetch_bucket_size"] == 2_000_000
+    assert zero["reduce_bucket_size"] == ZeroConfig().reduce_bucket_size  # unset knobs keep ZeroConfig's defaults
+    assert config["model"]["class_path"] == "examples.gpt.GPTLightningModule"
+    assert config["model"]["init_args"]["d_model"] == 256
+    assert config["data"]["class_path"] == "zlightning.datamodules.TextCorpusDataModule"
+    assert config["trainer"]["devices"] == 2
+    assert config["trainer"]["logger"]["init_args"]["save_dir"] == "runs"
+
+
+def test_print_config_accepts_registered_strategy_name(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_main(["fit", "--config", CONFIG, "--trainer.strategy=zstack_zero3", "--print_config"], capsys)
+    assert yaml.safe_load(out)["trainer"]["strategy"] == "zstack_zero3"
+
+
+def test_invalid_knob_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", CONFIG, "--trainer.strategy.init_args.zero.overlpa_comm=false", "--print_config"])
+    assert exit_info.value.code != 0
+    assert "overlpa_comm" in capsys.readouterr().err
+
+
+def _run_cli(args: list[str], save_dir: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "zlightning.cli", *args, f"--trainer.logger.init_args.save_dir={save_dir}"]
+    return subprocess.run(
+        command, cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=240, check=False
+    )
+
+
+def _events_files(save_dir: Path) -> list[Path]:
+    return sorted(save_dir.glob("gpt_zero3/version_*/events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_fit_end_to_end_two_processes(tmp_path: Path) -> None:
+    args = ["fit", "--config", CONFIG, *TINY, "--trainer.max_steps=3", "--trainer.val_check_interval=3"]
+    result = _run_cli(args, tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "Starting with 2 processes" in result.stdout + result.stderr
+    assert _events_files(tmp_path), f"no TensorBoard events under {tmp_path}: {sorted(tmp_path.rglob('*'))}"
+    assert list(tmp_path.glob("gpt_zero3/version_*/config.yaml")), "LightningCLI did not save the run's config"
+
+
+@pytest.mark.slow
+def test_validate_one_process(tmp_path: Path) -> None:
+    result = _run_cli(["validate", "--config", CONFIG, *TINY, "--trainer.devices=1"], tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "val/loss" in result.stdout
+    assert _events_files(tmp_path)

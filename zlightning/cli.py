@@ -1,0 +1,114 @@
+"""The ``zlightning`` command: Lightning's ``LightningCLI`` with zlightning's strategies registered.
+
+Usage::
+
+    zlightning fit --config examples/gpt_zero3.yaml
+    zlightning fit --config examples/gpt_zero3.yaml --trainer.max_steps=50 --model.d_model=128
+    zlightning fit --help
+    zlightning fit --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy
+
+The subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``). ``model`` and ``data`` are given
+by class path (``subclass_mode_model=True`` / ``subclass_mode_data=True``), e.g.::
+
+    model:
+      class_path: examples.gpt.GPTLightningModule
+      init_args: {d_model: 256, n_layer: 4}
+    data:
+      class_path: zlightning.datamodules.TextCorpusDataModule
+    trainer:
+      strategy:
+        class_path: zlightning.strategies.ZStackZero3Strategy
+        init_args: {zero: {prefetch_bucket_size: 10000000, unit_modules: [Block]}}
+
+``trainer.strategy: zstack_zero3`` (the registered name) works too, with the default `ZeroConfig`.
+
+[Note: where the ZeroConfig knobs are documented]
+``ZStackZero3Strategy(zero: ZeroConfig = ZeroConfig())``: jsonargparse inlines a (non-optional) dataclass argument's
+fields in the strategy's class help, so ``--trainer.strategy.help <class>`` lists every knob as
+``--trainer.strategy.zero.<knob>``. Their documentation is the docstring under each field, which jsonargparse reads
+only with ``docstring_parse_attribute_docstrings``; `main` turns that on. Every subcommand's ``--help`` ends with an
+epilog naming the command.
+
+[Note: the working directory on sys.path]
+``python -m`` and ``python script.py`` put a directory on ``sys.path``; a console script (``zlightning`` installed
+by pip) puts only its own ``bin/`` there. Class paths in a config such as ``examples.gpt.GPTLightningModule`` name
+modules of the user's project, which lives in the directory the command is run from, so `main` puts the current
+working directory at the front of ``sys.path`` before resolving any class path. Multi-process strategies that
+re-launch the command per rank (``start_method="popen"``) re-run it from the same directory, so every rank resolves
+the same modules.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# Imported for its side effect: registering "zstack_zero3" (and later strategies) in Lightning's StrategyRegistry,
+# so `trainer.strategy: zstack_zero3` resolves. It must precede LightningCLI's parsing.
+import zlightning  # noqa: F401
+from jsonargparse import set_parsing_settings
+from lightning.pytorch.cli import LightningCLI
+
+__all__ = ["EXTRA_COMMANDS", "main"]
+
+Command = Callable[[list[str]], None]
+"""A zlightning subcommand that is not a LightningCLI one: called with the arguments after its name."""
+
+EXTRA_COMMANDS: dict[str, Command] = {}
+"""Subcommands dispatched before LightningCLI, by name (the first argument). Later issues add ``consolidate`` and
+``analyze`` here; every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
+
+
+_HELP_EPILOG = (
+    "ZeRO-3 knobs: --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy"
+)
+
+
+def _put_cwd_on_path() -> None:
+    """Puts the current working directory first on ``sys.path``. See [Note: the working directory on sys.path]."""
+    cwd = os.getcwd()
+    if cwd in sys.path:
+        sys.path.remove(cwd)
+    sys.path.insert(0, cwd)
+
+
+def _parser_kwargs() -> dict[str, Any]:
+    """LightningCLI ``parser_kwargs``: the program name, and the knob epilog on the main and subcommand parsers.
+
+    LightningCLI applies keys named after a subcommand to that subcommand's parser and the others to the main one.
+    """
+    per_subcommand = {name: {"epilog": _HELP_EPILOG} for name in LightningCLI.subcommands()}
+    return {"prog": "zlightning", "epilog": _HELP_EPILOG, **per_subcommand}
+
+
+def main(args: list[str] | None = None) -> None:
+    """Runs the ``zlightning`` command.
+
+    Args:
+        args: Command-line arguments without the program name (``["fit", "--config", "cfg.yaml"]``); None reads
+            ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: As argparse does, for ``--help``, ``--print_config`` and invalid arguments.
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    _put_cwd_on_path()
+    if argv and argv[0] in EXTRA_COMMANDS:
+        EXTRA_COMMANDS[argv[0]](argv[1:])
+        return
+    # See [Note: where the ZeroConfig knobs are documented].
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    LightningCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs=_parser_kwargs(),
+        # None lets LightningCLI read sys.argv itself (passing both warns, see LightningCLI.parse_arguments).
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()
