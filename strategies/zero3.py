@@ -9,10 +9,12 @@ re-points each optimizer's parameter lists to the shard pieces (``attach_optimiz
 in full is a later issue's job.
 
 [Note: checkpoints here]
-``lightning_module_state_dict`` and ``optimizer_state`` gather full, world-size independent state on rank 0 (the
-layout a single-process run would write), so ``trainer.save_checkpoint``, ``ModelCheckpoint`` and ``ckpt_path=``
-work unchanged, and a checkpoint loads into the plain model. Loading happens after setup
-(``restore_checkpoint_after_setup``): every rank reads the file and copies its own slices.
+By default (``CheckpointPolicy(state_dict_type="sharded")``) ``trainer.save_checkpoint``, ``ModelCheckpoint`` and
+``ckpt_path=`` use a directory where every rank writes only its own shards (``zlightning.zero.save_sharded``); it
+loads at any world size and ``zlightning consolidate`` turns it into one plain file. With ``"full"`` the strategy
+gathers full, world-size independent state on rank 0 into an ordinary Lightning checkpoint file. Loading happens
+after setup (``restore_checkpoint_after_setup``), and ``load_checkpoint`` restores the optimizers itself for both
+formats (``lightning_restore_optimizer`` is False), as DeepSpeed's and FSDP's strategies do.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from zlightning.strategies._precision import ZeroPrecision
 from zlightning.zero import (
+    CheckpointPolicy,
     MemoryReport,
     MixedPrecisionPolicy,
     ZeroConfig,
@@ -56,9 +59,12 @@ from zlightning.zero import (
     attach_optimizer,
     full_optim_state_dict,
     full_state_dict,
+    is_sharded_checkpoint,
     load_full_optim_state_dict,
     load_full_state_dict,
+    load_sharded,
     memory_report,
+    save_sharded,
     unshard_module,
     zero3_shard,
 )
@@ -80,6 +86,7 @@ class ZStackZero3Strategy(ParallelStrategy):
 
     Args:
         zero: engine knobs (prefetch, persistence, buckets, overlap, units). See ``ZeroConfig``.
+        checkpoint: sharded (default) or full checkpoints. See ``CheckpointPolicy``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
         process_group_backend: ``"gloo"``/``"nccl"``; default: gloo on CPU, nccl on CUDA.
         timeout: collective timeout (a hung rank fails after this instead of blocking forever).
@@ -92,6 +99,7 @@ class ZStackZero3Strategy(ParallelStrategy):
     def __init__(
         self,
         zero: ZeroConfig = ZeroConfig(),
+        checkpoint: CheckpointPolicy = CheckpointPolicy(),
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -112,13 +120,17 @@ class ZStackZero3Strategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        if not isinstance(checkpoint, CheckpointPolicy):
+            raise TypeError(f"ZStackZero3Strategy(checkpoint=...) expects a CheckpointPolicy, got {type(checkpoint).__name__}")
         self.zero = zero
+        self.checkpoint = checkpoint
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
         self._engine: ZeroState | None = None
         self._attached: list[torch.optim.Optimizer] = []
+        self._loaded_sharded = False
         self._failed = False
 
     # ---------------------------------------------------------------- identity and ranks
@@ -318,23 +330,60 @@ class ZStackZero3Strategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself, for both formats
+
+    def _sharded(self) -> bool:
+        return self._engine is not None and self.checkpoint.state_dict_type == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._engine is None:
             return super().lightning_module_state_dict()
+        if self._sharded():
+            return {}  # written shard by shard in save_checkpoint
         return full_state_dict(self._engine, rank0_only=True)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self._engine is None:
             return super().optimizer_state(optimizer)
-        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the torch one
-        return full_optim_state_dict(self._engine, inner, rank0_only=True)
+        if self._sharded():
+            return {}
+        return full_optim_state_dict(self._engine, getattr(optimizer, "_optimizer", optimizer), rank0_only=True)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("zstack_zero3 sharded checkpoints do not take storage_options (use a local or mounted path)")
+        client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        engine = self._engine
+        if engine is None:
+            raise AssertionError("sharded save without an engine")
+        save_sharded(engine, self._attached, filepath, client, save_full_weights=self.checkpoint.save_full_weights)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._engine is not None and is_sharded_checkpoint(checkpoint_path):
+            client = load_sharded(self._engine, self._attached, checkpoint_path)
+            self._loaded_sharded = True
+            return client
+        self._loaded_sharded = False
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._engine is not None and self._attached and "optimizer_states" in checkpoint:
+            self.load_optimizer_state_dict(checkpoint)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         if self._engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        if self._loaded_sharded:
+            return  # loaded in load_checkpoint
         load_full_state_dict(self._engine, checkpoint["state_dict"], strict=strict)
 
     @override
@@ -342,13 +391,13 @@ class ZStackZero3Strategy(ParallelStrategy):
         if self._engine is None:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
+        if len(states) != len(self._attached):
             raise ValueError(
                 f"checkpoint has {len(states)} optimizer states but configure_optimizers returned "
-                f"{len(self.optimizers)} optimizers"
+                f"{len(self._attached)} optimizers"
             )
-        for optimizer, osd in zip(self.optimizers, states):
-            load_full_optim_state_dict(self._engine, getattr(optimizer, "_optimizer", optimizer), osd)
+        for optimizer, osd in zip(self._attached, states):
+            load_full_optim_state_dict(self._engine, optimizer, osd)
 
     # ---------------------------------------------------------------- reporting
     def memory_report(self) -> MemoryReport:

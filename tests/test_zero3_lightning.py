@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -16,48 +17,58 @@ from zlightning.testing import run_distributed
 WORLD = 2
 
 
-def _trainer(**kwargs: Any) -> pl.Trainer:
+def _trainer(state_dict_type: str = "sharded", **kwargs: Any) -> pl.Trainer:
     import zlightning  # noqa: F401
+    from zlightning.strategies import ZStackZero3Strategy
+    from zlightning.zero import CheckpointPolicy
 
     base: dict[str, Any] = dict(
-        strategy="zstack_zero3", accelerator="cpu", devices=WORLD, logger=False, enable_progress_bar=False,
+        strategy=ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type=state_dict_type)), accelerator="cpu", devices=WORLD, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False,
     )
     base.update(kwargs)
     return pl.Trainer(**base)
 
 
-def _resume(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+def _resume(rank: int, world: int, ckpt_dir: str, kind: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     straight = TinyGPTModule()
     _trainer(max_epochs=2, accumulate_grad_batches=2).fit(straight, loader(4, 2, world))
     pl.seed_everything(0, verbose=False)
     first = TinyGPTModule()
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0)
-    _trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[ckpt], enable_checkpointing=True).fit(
+    _trainer(kind, max_epochs=1, accumulate_grad_batches=2, callbacks=[ckpt], enable_checkpointing=True).fit(
         first, loader(4, 2, world)
     )
     resumed = TinyGPTModule()
-    trainer = _trainer(max_epochs=2, accumulate_grad_batches=2)
+    trainer = _trainer(kind, max_epochs=2, accumulate_grad_batches=2)
     trainer.fit(resumed, loader(4, 2, world), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
     return {
         "straight": straight.state_dict(), "resumed": resumed.state_dict(), "step": trainer.global_step,
-        "straight_losses": straight.losses[-4:], "resumed_losses": resumed.losses,
+        "straight_losses": straight.losses[-4:], "resumed_losses": resumed.losses, "first": first.state_dict(),
     }
 
 
-def test_checkpoint_resume_is_exact(tmp_path: Any) -> None:
-    out = run_distributed(_resume, WORLD, str(tmp_path), init_process_group=False, timeout=300)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_checkpoint_resume_is_exact(tmp_path: Any, kind: str) -> None:
+    out = run_distributed(_resume, WORLD, str(tmp_path), kind, init_process_group=False, timeout=300)
     for r in out:
         assert r["step"] == 4
         assert r["resumed_losses"] == r["straight_losses"]
         for name, value in r["straight"].items():
             assert torch.equal(r["resumed"][name], value), name
-    # the checkpoint is a plain Lightning checkpoint: full shapes, loadable without zlightning
-    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
     plain = TinyGPTModule()
-    plain.load_state_dict(ckpt["state_dict"])
-    assert ckpt["optimizer_states"][0]["state"][0]["exp_avg"].shape == plain.model.tok_emb.weight.shape
+    if kind == "full":  # a plain Lightning checkpoint: full shapes, loadable without zlightning
+        ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
+        plain.load_state_dict(ckpt["state_dict"])
+        assert ckpt["optimizer_states"][0]["state"][0]["exp_avg"].shape == plain.model.tok_emb.weight.shape
+    else:  # a directory of per-rank shards, consolidated into one plain state dict
+        assert (tmp_path / "last.ckpt" / "rank_00001.pt").is_file()
+        from zlightning.zero import consolidate
+
+        plain.load_state_dict(torch.load(consolidate(tmp_path / "last.ckpt", tmp_path / "c.pt", progress=False)))
+    for name, value in out[0]["first"].items():
+        assert torch.equal(plain.state_dict()[name], value), name
 
 
 def _precision(rank: int, world: int, precision: str) -> dict[str, Any]:

@@ -56,9 +56,28 @@ __all__ = ["EXTRA_COMMANDS", "main"]
 Command = Callable[[list[str]], None]
 """A zlightning subcommand that is not a LightningCLI one: called with the arguments after its name."""
 
-EXTRA_COMMANDS: dict[str, Command] = {}
-"""Subcommands dispatched before LightningCLI, by name (the first argument). Later issues add ``consolidate`` and
-``analyze`` here; every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
+def _consolidate(argv: list[str]) -> None:
+    """``zlightning consolidate CKPT_DIR OUT``: one plain state-dict file from a sharded checkpoint."""
+    import argparse
+
+    import torch
+
+    from zlightning.zero import consolidate
+
+    p = argparse.ArgumentParser(prog="zlightning consolidate", description=_consolidate.__doc__)
+    p.add_argument("ckpt_dir", help="sharded checkpoint directory (as written by zstack_zero3)")
+    p.add_argument("out", help="output file: .pt, or .safetensors when the safetensors package is installed")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written tensors")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    out = consolidate(a.ckpt_dir, a.out, dtype=dtype, progress=not a.no_progress)
+    print(f"wrote {out}")
+
+
+EXTRA_COMMANDS: dict[str, Command] = {"consolidate": _consolidate}
+"""Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate`` (and ``analyze``, a
+later issue); every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
 
 
 _HELP_EPILOG = (

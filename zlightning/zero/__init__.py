@@ -15,7 +15,7 @@ from zlightning.zero._checkpoint import (
     load_full_state_dict,
     unshard_module,
 )
-from zlightning.zero._config import MixedPrecisionPolicy, ZeroConfig
+from zlightning.zero._config import CheckpointPolicy, MixedPrecisionPolicy, ZeroConfig
 from zlightning.zero._optimizer import (
     DeepSpeedZeroOptimizer_Stage3,
     DynamicLossScaler,
@@ -26,11 +26,20 @@ from zlightning.zero._optimizer import (
     global_grad_norm,
     memory_report,
 )
+from zlightning.zero._sharded_checkpoint import (
+    CheckpointError,
+    consolidate,
+    is_sharded_checkpoint,
+    load_sharded,
+    save_sharded,
+)
 from zlightning.zero._state import ZeroState
 
 ZeroOptimizer = DeepSpeedZeroOptimizer_Stage3
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointPolicy",
     "DeepSpeedZeroOptimizer_Stage3",
     "DynamicLossScaler",
     "LossScalerConfig",
@@ -40,13 +49,17 @@ __all__ = [
     "ZeroOptimizer",
     "ZeroState",
     "attach_optimizer",
+    "consolidate",
     "clip_grad_norm_",
     "full_optim_state_dict",
     "full_state_dict",
     "global_grad_norm",
+    "is_sharded_checkpoint",
     "load_full_optim_state_dict",
     "load_full_state_dict",
+    "load_sharded",
     "memory_report",
+    "save_sharded",
     "unshard_module",
     "zero3_shard",
 ]

@@ -139,7 +139,9 @@ def full_optim_state_dict(
     sd = optimizer.state_dict()
     pieces = _indexed_pieces(state, optimizer)
     keep = not rank0_only or _is_rank0(state)
-    full_state: dict[int, dict[str, Any]] = {i: dict(s) for i, s in sd["state"].items()} if keep else {}
+    full_state: dict[int, dict[str, Any]] = {}
+    if keep:  # copies: the caller owns the result (Adam's ``step`` would otherwise keep counting)
+        full_state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in sd["state"].items()}
     index_of = {zp.index: i for i, zp in enumerate(pieces) if zp is not None}
     for group in state.groups:
         members = [(index_of[zp.index], zp) for zp in group.params if zp.index in index_of]

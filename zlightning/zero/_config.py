@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["DTypeName", "MixedPrecisionPolicy", "ZeroConfig", "dtype_from_name"]
+__all__ = ["CheckpointPolicy", "DTypeName", "MixedPrecisionPolicy", "ZeroConfig", "dtype_from_name"]
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
 
@@ -110,3 +110,21 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.mixed_precision must be a MixedPrecisionPolicy, got {type(self.mixed_precision).__name__}"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPolicy:
+    """How the Lightning strategy writes checkpoints."""
+
+    state_dict_type: Literal["sharded", "full"] = "sharded"
+    """``"sharded"``: a directory where every rank writes only its shards (loads at any world size; turn it into one
+    file with ``zlightning consolidate``). ``"full"``: one file gathered on rank 0, a plain Lightning checkpoint."""
+
+    save_full_weights: bool = False
+    """With ``"sharded"``, also gather the consolidated model state dict into ``full_weights.pt`` at save time."""
+
+    def __post_init__(self) -> None:
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"CheckpointPolicy.state_dict_type must be 'sharded' or 'full', got {self.state_dict_type!r}")
+        if not isinstance(self.save_full_weights, bool):
+            raise ValueError(f"CheckpointPolicy.save_full_weights must be a bool, got {self.save_full_weights!r}")

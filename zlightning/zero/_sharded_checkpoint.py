@@ -1,0 +1,439 @@
+"""Sharded ZeRO-3 checkpoints: every rank writes only its shards; load at any world size; consolidate to one file.
+
+[Note: sharded checkpoint layout]
+A checkpoint is a directory::
+
+    meta.json            format, version, world size, per-group layout (parameter names, shapes, offsets), the
+                         optimizer layout, and a SHA-256 per file
+    rank_00000.pt ...    one per rank: that rank's flat shard of every group (model), and its optimizer state as one
+                         flat tensor per (group, state key) plus per-parameter scalars (Adam's ``step``)
+    client_state.pt      everything else (Lightning's loops, callbacks, schedulers, hyper-parameters), from rank 0
+    full_weights.pt      optional (``save_full_weights``): the consolidated model state dict
+
+A group's flat layout (parameters end to end, padded to a multiple of the world size) does not depend on the world
+size, only its cut into per-rank slices does. So loading at world size M reads, for each new rank, the old rank files
+whose slices overlap its new slice: resharding needs no separate conversion step.
+
+[Note: atomic, all-or-nothing]
+Ranks write into ``<dir>.tmp-<id>``; rank 0 writes ``meta.json`` last and renames the temporary directory into place
+(moving an existing checkpoint aside first and deleting it only after), so a crash mid-save leaves the previous
+checkpoint loadable. Loading validates everything first (format, model layout, files present, checksums) and builds
+the new shards in temporary tensors; the engine's shards and the optimizer change only when every check passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zlightning.zero._param import ZeroParam
+from zlightning.zero._state import ZeroState
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "consolidate",
+    "is_sharded_checkpoint",
+    "load_sharded",
+    "read_metadata",
+    "save_sharded",
+]
+
+FORMAT = "zlightning-zero-sharded"
+VERSION = 1
+META = "meta.json"
+CLIENT = "client_state.pt"
+FULL_WEIGHTS = "full_weights.pt"
+BUFFERS = "zero_buffers"  # key in the client state: the module's buffers and extra state (replicated, from rank 0)
+
+
+class CheckpointError(ValueError):
+    """A sharded checkpoint is missing, corrupted, or does not belong to this model."""
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir() and (Path(path) / META).is_file()
+
+
+def _layout(state: ZeroState) -> list[dict[str, Any]]:
+    return [
+        {
+            "numel": g.numel,
+            "dtype": str(g.master_dtype).removeprefix("torch."),
+            "params": [{"fqns": zp.fqns, "shape": list(zp.shape), "offset": zp.offset, "numel": zp.numel} for zp in g.params],
+        }
+        for g in state.groups
+    ]
+
+
+def _optimizer_index(state: ZeroState, optimizer: torch.optim.Optimizer) -> list[ZeroParam | None]:
+    return [state.zero_param_of(p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _per_element(value: Any, zp: ZeroParam, key: str) -> bool:
+    return isinstance(value, torch.Tensor) and key != "step" and value.dim() == 1 and value.numel() == zp.local_numel
+
+
+def _local_optimizer_payload(state: ZeroState, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state: flat per (group, key) tensors in shard layout, and per-parameter scalars."""
+    sd = optimizer.state_dict()
+    index = _optimizer_index(state, optimizer)
+    where = {zp.index: i for i, zp in enumerate(index) if zp is not None}
+    flats: dict[str, dict[str, torch.Tensor]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for gi, group in enumerate(state.groups):
+        base = group.rank * group.shard_numel
+        for zp in group.params:
+            entry = sd["state"].get(where.get(zp.index, -1))
+            if not entry:
+                continue
+            scalars[str(zp.index)] = {k: v for k, v in entry.items() if not _per_element(v, zp, k)}
+            for key, value in entry.items():
+                if _per_element(value, zp, key):
+                    flat = flats.setdefault(str(gi), {}).setdefault(
+                        key, torch.zeros(group.shard_numel, dtype=value.dtype, device="cpu")
+                    )
+                    flat[zp.local_start - base : zp.local_end - base].copy_(value)
+    return {
+        "param_groups": sd["param_groups"],
+        "param_index": [zp.index if zp is not None else None for zp in index],
+        "flats": flats,
+        "scalars": scalars,
+    }
+
+
+def _collective_name(state: ZeroState, path: Path) -> str:
+    box = [f"{path.name}.tmp-{uuid.uuid4().hex[:8]}" if state.rank == 0 else None]
+    if state.world_size > 1:
+        dist.broadcast_object_list(box, src=state.global_src, group=state.process_group)
+    return str(box[0])
+
+
+def save_sharded(
+    state: ZeroState,
+    optimizers: Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    client_state: Mapping[str, Any] | None = None,
+    *,
+    save_full_weights: bool = False,
+) -> None:
+    """Writes a sharded checkpoint directory at ``path`` (collective: every rank calls, each writes its shards).
+
+    Args:
+        state: the engine.
+        optimizers: optimizers attached to it (their sharded state is saved).
+        path: target directory; replaced atomically if it exists.
+        client_state: extra picklable state written once by rank 0 (e.g. Lightning's loops and callbacks).
+        save_full_weights: also gather a consolidated model state dict into ``full_weights.pt``.
+    """
+    from zlightning.zero._checkpoint import full_state_dict
+
+    path = Path(path)
+    tmp = path.parent / _collective_name(state, path)
+    tmp.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "shards": [g.shard.detach().cpu() for g in state.groups],
+        "optimizers": [_local_optimizer_payload(state, opt) for opt in optimizers],
+    }
+    rank_path = tmp / _rank_file(state.rank)
+    torch.save(payload, rank_path)
+    digests: list[Any] = [None] * state.world_size
+    mine = _sha256(rank_path)
+    if state.world_size > 1:
+        dist.all_gather_object(digests, mine, group=state.process_group)
+    else:
+        digests = [mine]
+    full = full_state_dict(state, rank0_only=True) if save_full_weights else None
+    if state.rank == 0:
+        files = {_rank_file(r): d for r, d in enumerate(digests)}
+        torch.save({**dict(client_state or {}), BUFFERS: _buffers(state)}, tmp / CLIENT)
+        files[CLIENT] = _sha256(tmp / CLIENT)
+        if full is not None:
+            torch.save(full, tmp / FULL_WEIGHTS)
+            files[FULL_WEIGHTS] = _sha256(tmp / FULL_WEIGHTS)
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": state.world_size,
+            "groups": _layout(state),
+            "num_optimizers": len(optimizers),
+            "files": files,
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _swap_into_place(tmp, path)
+    if state.world_size > 1:
+        dist.barrier(group=state.process_group)
+
+
+def _buffers(state: ZeroState) -> dict[str, Any]:
+    names = {n for zp in state.params for n in zp.fqns}
+    return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.root.state_dict().items() if k not in names}
+
+
+def _swap_into_place(tmp: Path, path: Path) -> None:
+    old = None
+    if path.exists():
+        old = path.parent / f"{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads and checks ``meta.json`` of a sharded checkpoint.
+
+    Raises:
+        CheckpointError: not a directory with ``meta.json``, or not this format/version.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is not a sharded zlightning checkpoint directory (a single .ckpt/.pt file is a full checkpoint: "
+            "load it with torch.load or pass it to the strategy as ckpt_path)"
+        )
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path} is missing: {path} is not a complete sharded checkpoint")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{meta_path} is not valid JSON ({err}): the checkpoint is corrupted") from err
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected {FORMAT!r} {VERSION}"
+        )
+    return meta
+
+
+def _verify_files(path: Path, meta: Mapping[str, Any], names: Sequence[str]) -> None:
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing from the sharded checkpoint (saved at world size {meta['world_size']})")
+        expected = meta["files"].get(name)
+        if expected is not None and _sha256(file) != expected:
+            raise CheckpointError(f"{file} is corrupted: its SHA-256 does not match meta.json")
+
+
+def _check_layout(state: ZeroState, meta: Mapping[str, Any], path: Path) -> None:
+    saved, here = meta["groups"], _layout(state)
+    params_saved = {p["fqns"][0]: p["shape"] for g in saved for p in g["params"]}
+    params_here = {p["fqns"][0]: p["shape"] for g in here for p in g["params"]}
+    if params_saved != params_here:
+        missing = sorted(set(params_here) - set(params_saved))[:5]
+        unexpected = sorted(set(params_saved) - set(params_here))[:5]
+        shapes = [
+            f"{n}: checkpoint {params_saved[n]} vs model {s}"
+            for n, s in params_here.items() if n in params_saved and params_saved[n] != s
+        ][:5]
+        raise CheckpointError(
+            f"{path} does not match this model: missing {missing or '-'}, unexpected {unexpected or '-'}, "
+            f"different shapes {shapes or '-'}"
+        )
+    layout_saved = [([p["fqns"][0] for p in g["params"]], g["dtype"]) for g in saved]
+    layout_here = [([p["fqns"][0] for p in g["params"]], g["dtype"]) for g in here]
+    if layout_saved != layout_here:
+        raise CheckpointError(
+            f"{path} does not match this model's sharding layout (same parameters, grouped differently): save and "
+            "load with the same ZeroConfig unit_modules and persistence thresholds, or consolidate it with "
+            "`zlightning consolidate` and load the single file"
+        )
+
+
+class _RankFiles:
+    """Loads old rank files lazily, at most the ones a new shard overlaps."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._cache: dict[int, dict[str, Any]] = {}
+
+    def get(self, rank: int) -> dict[str, Any]:
+        if rank not in self._cache:
+            self._cache[rank] = torch.load(self.path / _rank_file(rank), map_location="cpu", weights_only=True)
+        return self._cache[rank]
+
+
+def _assemble(
+    lo: int, hi: int, old_shard: int, fetch: Callable[[int], torch.Tensor | None], dtype: torch.dtype
+) -> torch.Tensor:
+    """Elements [lo, hi) of a flat layout cut into old slices of ``old_shard`` elements (zeros where absent)."""
+    out = torch.zeros(max(hi - lo, 0), dtype=dtype)
+    pos = lo
+    while pos < hi:
+        rank, start = divmod(pos, old_shard) if old_shard else (0, 0)
+        take = min(hi - pos, old_shard - start)
+        src = fetch(rank)
+        if src is not None:
+            out[pos - lo : pos - lo + take].copy_(src[start : start + take])
+        pos += take
+    return out
+
+
+def load_sharded(
+    state: ZeroState, optimizers: Sequence[torch.optim.Optimizer], path: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """Loads a sharded checkpoint saved at any world size into this engine's shards and optimizers (collective).
+
+    Returns:
+        The client state (Lightning's loops, callbacks, schedulers...).
+
+    Raises:
+        CheckpointError: missing or corrupted files, or a checkpoint of another model (nothing is modified then).
+    """
+    path = Path(path)
+    meta = read_metadata(path)
+    _check_layout(state, meta, path)
+    old_world = int(meta["world_size"])
+    new_opt = len(optimizers)
+    if optimizers and meta["num_optimizers"] != new_opt:
+        raise CheckpointError(f"{path} holds {meta['num_optimizers']} optimizers' state, this run has {new_opt}")
+    files = _RankFiles(path)
+    needed = set()
+    for g in state.groups:
+        old_shard = -(-g.numel // old_world)
+        lo, hi = g.rank * g.shard_numel, (g.rank + 1) * g.shard_numel
+        needed |= {r for r in range(old_world) if r * old_shard < min(hi, g.numel) and (r + 1) * old_shard > lo}
+    _verify_files(path, meta, [_rank_file(r) for r in sorted(needed)] + [CLIENT])
+    # Build everything first (see [Note: atomic, all-or-nothing]).
+    new_shards = []
+    for gi, g in enumerate(state.groups):
+        old_shard = -(-g.numel // old_world)
+        lo, hi = g.rank * g.shard_numel, (g.rank + 1) * g.shard_numel
+        new_shards.append(_assemble(lo, min(hi, g.numel), old_shard, lambda r, gi=gi: files.get(r)["shards"][gi], g.master_dtype))
+    opt_states = [_build_optimizer_state(state, opt, files, old_world, i) for i, opt in enumerate(optimizers)]
+    with torch.no_grad():
+        for g, new in zip(state.groups, new_shards):
+            g.shard.zero_()
+            g.shard[: new.numel()].copy_(new.to(g.shard.device))
+    for opt, sd in zip(optimizers, opt_states):
+        opt.load_state_dict(sd)
+    client = torch.load(path / CLIENT, map_location="cpu", weights_only=False)
+    buffers = client.pop(BUFFERS, {})
+    if buffers:
+        state.root.load_state_dict(buffers, strict=False)
+    state.on_optimizer_step()  # gathered copies are stale
+    return client
+
+
+def _build_optimizer_state(
+    state: ZeroState, optimizer: torch.optim.Optimizer, files: _RankFiles, old_world: int, which: int
+) -> dict[str, Any]:
+    head = files.get(0)["optimizers"][which]
+    index = _optimizer_index(state, optimizer)
+    saved_index = head["param_index"]
+    if [zp.index if zp is not None else None for zp in index] != saved_index:
+        raise CheckpointError(
+            "the optimizer's parameters differ from the checkpoint's (another model, or configure_optimizers "
+            "returned different parameter groups)"
+        )
+    group_of = {zp.index: (gi, g) for gi, g in enumerate(state.groups) for zp in g.params}
+    out_state: dict[int, dict[str, Any]] = {}
+    cache: dict[tuple[int, str], torch.Tensor] = {}
+    for i, zp in enumerate(index):
+        if zp is None or str(zp.index) not in head["scalars"]:
+            continue
+        gi, g = group_of[zp.index]
+        entry = dict(head["scalars"][str(zp.index)])
+        old_shard = -(-g.numel // old_world)
+        for key in head["flats"].get(str(gi), {}):
+            if (gi, key) not in cache:
+                lo, hi = g.rank * g.shard_numel, (g.rank + 1) * g.shard_numel
+                cache[(gi, key)] = _assemble(
+                    lo, min(hi, g.numel), old_shard,
+                    lambda r, gi=gi, key=key: files.get(r)["optimizers"][which]["flats"].get(str(gi), {}).get(key),
+                    head["flats"][str(gi)][key].dtype,
+                )
+            base = g.rank * g.shard_numel
+            flat = cache[(gi, key)]
+            piece = torch.zeros(zp.local_numel, dtype=flat.dtype)
+            avail = flat[zp.local_start - base : zp.local_end - base]
+            piece[: avail.numel()].copy_(avail)
+            entry[key] = piece
+        out_state[i] = entry
+    return {"state": out_state, "param_groups": head["param_groups"]}
+
+
+def consolidate(
+    ckpt_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> Path:
+    """Writes one plain ``state_dict`` file (``.pt``, or ``.safetensors`` when that package is installed and the
+    name ends so) from a sharded checkpoint, reading one rank file at a time (peak memory ≈ one full model).
+
+    The result loads with ``model.load_state_dict(torch.load(out))``; tied weights appear under every name.
+
+    Raises:
+        CheckpointError: as ``load_sharded``.
+        ImportError: ``.safetensors`` requested without the ``safetensors`` package.
+    """
+    ckpt_dir, out = Path(ckpt_dir), Path(out)
+    meta = read_metadata(ckpt_dir)
+    world = int(meta["world_size"])
+    _verify_files(ckpt_dir, meta, [_rank_file(r) for r in range(world)])
+    fulls: list[torch.Tensor] = []
+    for g in meta["groups"]:
+        saved = getattr(torch, g["dtype"])
+        fulls.append(torch.zeros(world * -(-g["numel"] // world), dtype=dtype if saved.is_floating_point else saved))
+    ranks = range(world)
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            ranks = tqdm(ranks, desc=f"consolidating {ckpt_dir.name}", unit="shard")
+        except ImportError:
+            pass
+    for r in ranks:
+        shards = torch.load(ckpt_dir / _rank_file(r), map_location="cpu", weights_only=True)["shards"]
+        for flat, shard in zip(fulls, shards):
+            flat[r * shard.numel() : (r + 1) * shard.numel()].copy_(shard)
+        del shards
+    state_dict: dict[str, torch.Tensor] = {}
+    for flat, g in zip(fulls, meta["groups"]):
+        for p in g["params"]:
+            t = flat[p["offset"] : p["offset"] + p["numel"]].view(p["shape"]).clone()
+            for name in p["fqns"]:
+                state_dict[name] = t
+    del fulls
+    client_path = ckpt_dir / CLIENT
+    if client_path.is_file():  # buffers and extra state travel in the client state
+        client = torch.load(client_path, map_location="cpu", weights_only=False)
+        state_dict.update(client.get(BUFFERS, {}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file  # raises ImportError with the package's own message
+
+        seen: dict[int, str] = {}
+        unique = {}
+        for name, t in state_dict.items():  # safetensors refuses shared storage: keep the first name of a tie
+            if id(t) not in seen:
+                seen[id(t)] = name
+                unique[name] = t.contiguous()
+        save_file(unique, str(out))
+    else:
+        torch.save(state_dict, out)
+    return out
