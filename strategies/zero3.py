@@ -20,7 +20,8 @@ formats (``lightning_restore_optimizer`` is False), as DeepSpeed's and FSDP's st
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -301,6 +302,19 @@ class ZStackZero3Strategy(ParallelStrategy):
         with self._pass():
             return super().predict_step(*args, **kwargs)
 
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for accumulation micro-batches: stage 1 then keeps gradients local."""
+        if self._engine is None or self.zero.stage != 1:
+            yield None
+            return
+        self._engine.gradient_sync = False
+        try:
+            yield None
+        finally:
+            self._engine.gradient_sync = True
+
     # ---------------------------------------------------------------- collectives used by Lightning
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
@@ -418,6 +432,12 @@ class ZStackZero3Strategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="ZeRO stage 3: parameters, gradients and optimizer state sharded"
+        )
+        strategy_registry.register(
+            "zstack_zero2", cls, description="ZeRO stage 2: gradients and optimizer state sharded", zero=ZeroConfig(stage=2)
+        )
+        strategy_registry.register(
+            "zstack_zero1", cls, description="ZeRO stage 1: optimizer state sharded", zero=ZeroConfig(stage=1)
         )
 
 

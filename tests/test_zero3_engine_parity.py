@@ -32,7 +32,7 @@ def _zero_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, clip: f
         if (i + 1) % accumulate == 0:
             zero.step()
     return {"state": zero.module_state_dict(), "losses": losses, "optim": zero.state_dict()["optimizer"],
-            "report": zero.memory_report().as_dict()}
+            "report": zero.memory_report(), "reduce_scatters": zero.state.reduce_scatters}
 
 
 @pytest.mark.parametrize(
@@ -42,8 +42,10 @@ def _zero_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, clip: f
         ZeroConfig(overlap_comm=False, param_persistence_threshold=0),
         ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=1),
         ZeroConfig(prefetch_bucket_size=0, unit_modules=("Block", "MLP"), reduce_bucket_size=10),
+        ZeroConfig(stage=2),
+        ZeroConfig(stage=1),
     ],
-    ids=["default", "sync-no-persist", "prefetch-one-no-persist", "nested-units"],
+    ids=["default", "sync-no-persist", "prefetch-one-no-persist", "nested-units", "stage2", "stage1"],
 )
 def test_parity_with_single_process(cfg: ZeroConfig) -> None:
     world, accumulate, clip, steps = 2, 2, 0.5, 3
@@ -55,6 +57,12 @@ def test_parity_with_single_process(cfg: ZeroConfig) -> None:
         torch.testing.assert_close(rank_out["losses"], ref_losses, rtol=1e-5, atol=1e-6)
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(rank_out["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    report = out[0]["report"]
+    full = report.full_model_bytes
+    assert report.grad_bytes <= full / world * 1.02 and report.param_bytes <= full / world * 1.02
+    if cfg.stage < 3:  # parameters replicated (one persistent group); gradients reduced per micro-batch (stage 2)
+        assert report.persistent_bytes >= full  # or once per accumulation window (stage 1)
+        assert out[0]["reduce_scatters"] == steps * (accumulate if cfg.stage == 2 else 1)
     ref_osd = ref_opt.state_dict()
     for i, s in ref_osd["state"].items():
         for key, value in s.items():

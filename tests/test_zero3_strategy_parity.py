@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests._lightning_models import TinyGPTModule, global_batches_of, rank_fit
@@ -31,13 +32,18 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return copy.deepcopy(module.state_dict()), losses
 
 
-def test_zero3_matches_single_process_and_ddp() -> None:
-    zero = run_distributed(rank_fit, WORLD, "zstack_zero3", KW, N_BATCHES, init_process_group=False, timeout=300)
-    ddp = run_distributed(rank_fit, WORLD, "ddp", KW, N_BATCHES, init_process_group=False, timeout=300)
+@pytest.fixture(scope="module")
+def ddp_run() -> list[dict]:
+    return run_distributed(rank_fit, WORLD, "ddp", KW, N_BATCHES, init_process_group=False, timeout=300)
+
+
+@pytest.mark.parametrize("strategy", ["zstack_zero3", "zstack_zero2", "zstack_zero1"])
+def test_zero_matches_single_process_and_ddp(strategy: str, ddp_run: list[dict]) -> None:
+    zero = run_distributed(rank_fit, WORLD, strategy, KW, N_BATCHES, init_process_group=False, timeout=300)
     ref_state, ref_losses = _reference()
     for rank in range(WORLD):
-        # per-rank micro-batch losses equal DDP's exactly-comparable numbers
-        torch.testing.assert_close(zero[rank]["losses"], ddp[rank]["losses"], rtol=1e-5, atol=1e-6)
+        # per-rank micro-batch losses equal DDP's
+        torch.testing.assert_close(zero[rank]["losses"], ddp_run[rank]["losses"], rtol=1e-5, atol=1e-6)
         for name, value in ref_state.items():
             torch.testing.assert_close(zero[rank]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     mean_losses = [sum(z["losses"][i] for z in zero) / WORLD for i in range(len(ref_losses))]

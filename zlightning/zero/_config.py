@@ -51,6 +51,12 @@ class ZeroConfig:
     parameters are gathered with one collective; what no unit claims belongs to the root unit.
     """
 
+    stage: Literal[1, 2, 3] = 3
+    """ZeRO stage. 3: parameters, gradients and optimizer state sharded. 2: parameters stay replicated (gathered
+    once after each step), gradients and optimizer state sharded. 1: as 2, but gradients are kept whole and summed
+    locally across accumulation micro-batches, then reduce-scattered once per optimizer step (less communication,
+    more memory)."""
+
     prefetch_bucket_size: int = 50_000_000
     """Elements (DeepSpeed ``stage3_prefetch_bucket_size``): how many parameter elements of upcoming units may be
     gathered ahead of use. 0 disables prefetch."""
@@ -88,6 +94,8 @@ class ZeroConfig:
     """Gather and reduce dtypes. The Lightning strategy sets this from ``Trainer(precision=...)``."""
 
     def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
+            raise ValueError(f"ZeroConfig.stage must be 1, 2 or 3, got {self.stage!r}")
         for name in ("prefetch_bucket_size", "param_persistence_threshold"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -259,6 +259,7 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         self.scaler = DynamicLossScaler(loss_scaler) if loss_scaler is not None else None
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self._global_grad_norm: float | None = None
+        self._micro_steps = 0
         self.skipped_steps = 0
 
     @property
@@ -275,12 +276,17 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
 
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss * loss_scale / gradient_accumulation_steps).backward()``; gradients land in the shards."""
+        self._micro_steps += 1
+        # Stage 1 reduces once per accumulation window: see ZeroConfig.stage.
+        boundary = self._micro_steps % self.gradient_accumulation_steps == 0
+        self.state.gradient_sync = self.state.config.stage != 1 or boundary
         (loss * (self.loss_scale / self.gradient_accumulation_steps)).backward()
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Unscales (fp16), skips on overflow, clips, steps and zeroes gradients. Returns False when skipped."""
         if closure is not None:
             closure()
+        self._micro_steps = 0
         pieces = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
             found_inf = unscale_and_check_(self.state, pieces, 1.0 / self.scaler.scale)

@@ -95,6 +95,7 @@ class ZeroParamGroup:
         self._autograd_fulls: tuple[torch.Tensor, ...] | None = None
         self._fulls_pass = -1
         self.pending_backward = 0
+        self.unsynced: torch.Tensor | None = None  # [W*S] full gradients summed while gradient sync is off
         self._fresh: list[ZeroParam] = []  # pieces whose .grad this backward created (see ZeroState.finish_backward)
         self._build_shard()
 

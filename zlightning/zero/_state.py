@@ -80,6 +80,8 @@ class ZeroState:
         self._used = torch.zeros(0)
         self._reduced_this_backward = False
         self._callback_queued = False
+        self.gradient_sync = True  # False: accumulate full gradients locally, reduce on the next synced backward
+        self.reduce_scatters = 0  # issued so far (a statistic for tests and reports)
         self._root_handles: list[Any] = []
         self.optimizer_hooks: list[Any] = []  # step post-hooks of attached optimizers
         self._build(unit_policy)
@@ -128,6 +130,8 @@ class ZeroState:
 
     def _persistent_indices(self) -> set[int]:
         """Small parameters that stay gathered, smallest first, within ``model_persistence_threshold``."""
+        if self.config.stage < 3:  # parameters replicated: every one stays gathered
+            return {zp.index for zp in self.params}
         cap = self.config.model_persistence_threshold
         if cap is None:
             cap = sum(zp.numel for zp in self.params) // 100
@@ -258,17 +262,27 @@ class ZeroState:
             if g is not None:
                 self._used[zp.index] = 1.0
         flat = group.pack_gradients(grads, self.reduce_dtype)
+        if group.unsynced is not None:
+            flat.add_(group.unsynced)
+            group.unsynced = None
+        if self.gradient_sync:
+            self._reduce(group, flat)
+        else:
+            group.unsynced = flat
+        group.pending_backward = max(group.pending_backward - 1, 0)
+        if group.pending_backward == 0 and not group.persistent and not self._is_root_group(group):
+            group.reshard()
+
+    def _reduce(self, group: ZeroParamGroup, flat: torch.Tensor) -> None:
         if self.world_size > 1:
             flat.div_(self.world_size)
         handle = group.start_reduce_scatter(flat, async_op=self.config.overlap_comm)
+        self.reduce_scatters += 1
         self._pending.append((group, handle))
         self._pending_numel += group.shard_numel
         self._reduced_this_backward = True
         while len(self._pending) > 1 and self._pending_numel * self.world_size > self.config.reduce_bucket_size:
             self._drain_one()
-        group.pending_backward = max(group.pending_backward - 1, 0)
-        if group.pending_backward == 0 and not group.persistent and not self._is_root_group(group):
-            group.reshard()
 
     def _is_root_group(self, group: ZeroParamGroup) -> bool:
         return any(group is g for g in self.units[0].groups)
@@ -281,6 +295,11 @@ class ZeroState:
     def finish_backward(self) -> None:
         """End of backward: finish reduce-scatters, settle unused parameters, release everything non-persistent."""
         self._callback_queued = False
+        if self.gradient_sync:  # gradients held back in earlier micro-batches, for groups unused in this one
+            for group in self.groups:
+                if group.unsynced is not None:
+                    flat, group.unsynced = group.unsynced, None
+                    self._reduce(group, flat)
         while self._pending:
             self._drain_one()
         if self._reduced_this_backward:
