@@ -232,7 +232,7 @@ class ZStackZero3Strategy(ParallelStrategy):
         config = self._config_for(plugin)
         if self.model is None:
             raise AssertionError("setup() before connect()")
-        self._engine = zero3_shard(self.model, config)
+        self._engine = zero3_shard(self.model, config, device=self.root_device)
         # Only this run's optimizers (validate/test after fit keep the fit's, which are not sharded anymore).
         self._attached = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         for optimizer in self._attached:
@@ -254,9 +254,28 @@ class ZStackZero3Strategy(ParallelStrategy):
         return ZeroConfig(**{**self.zero.__dict__, "mixed_precision": policy})
 
     @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Modules built in ``configure_model`` go to the meta device: each rank then materialises only its shards
+        (``reset_parameters()`` per module, seeded by name), so a model larger than one rank's memory can be built."""
+        with torch.device("meta"):
+            yield
+
+    @override
     def model_to_device(self) -> None:
         if self.model is None:
             raise AssertionError("model_to_device() before connect()")
+        if any(t.is_meta for t in self.model.parameters()):
+            # Sharded initialisation: the engine materialises shards on root_device; move only real tensors.
+            with torch.no_grad():
+                for module in self.model.modules():
+                    for p in module._parameters.values():
+                        if p is not None and not p.is_meta:
+                            p.data = p.data.to(self.root_device)
+                    for name, b in module._buffers.items():
+                        if b is not None and not b.is_meta:
+                            module._buffers[name] = b.to(self.root_device)
+            return
         self.model.to(self.root_device)
 
     @override

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from zlightning.zero._config import ZeroConfig
-from zlightning.zero._state import ZeroState
+from zlightning.zero._state import ParamInitFn, ZeroState
 from zlightning.zero._unit import UnitPolicy
 
 __all__ = ["zero3_shard"]
@@ -18,6 +19,8 @@ def zero3_shard(
     *,
     process_group: dist.ProcessGroup | None = None,
     unit_policy: UnitPolicy | None = None,
+    device: torch.device | None = None,
+    param_init_fn: ParamInitFn | None = None,
 ) -> ZeroState:
     """Shards ``module``'s parameters across the data-parallel ranks (ZeRO stage 3), in place.
 
@@ -35,6 +38,9 @@ def zero3_shard(
         config: knobs (``ZeroConfig``).
         process_group: data-parallel group (default: the world).
         unit_policy: ``policy(name, module) -> bool`` to choose units in code.
+        device: where shards live (default: the module's device). Required for a model on the meta device.
+        param_init_fn: for a meta-device model, initialises one module's own parameters (default: the module's
+            ``reset_parameters()``). Each rank then materialises only its shards.
 
     Returns:
         The engine state (``ZeroState``): pass it to ``attach_optimizer``, ``full_state_dict``, ``memory_report``...
@@ -43,4 +49,6 @@ def zero3_shard(
         RuntimeError: torch.distributed is not initialised.
         ValueError: ``config.unit_modules`` names classes the model does not contain.
     """
-    return ZeroState(module, config or ZeroConfig(), process_group, unit_policy)
+    return ZeroState(
+        module, config or ZeroConfig(), process_group, unit_policy, device=device, param_init_fn=param_init_fn
+    )

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import ZeroParamGroup
@@ -203,8 +204,12 @@ def unshard_module(state: ZeroState, optimizers: Sequence[torch.optim.Optimizer]
     for group in state.groups:
         flat = _gather_flat(group, group.shard)
         for zp in group.params:
-            with torch.no_grad():
-                zp.original.data = flat[zp.offset : zp.offset + zp.numel].view(zp.shape).clone()
+            full = flat[zp.offset : zp.offset + zp.numel].view(zp.shape).clone()
+            if zp.original.is_meta:  # sharded init: there never was a real tensor to refill
+                zp.original = nn.Parameter(full, requires_grad=zp.requires_grad)
+            else:
+                with torch.no_grad():
+                    zp.original.data = full
             zp.original.requires_grad_(zp.requires_grad)
             zp.install(zp.original)
     state.remove_hooks()

@@ -29,7 +29,7 @@ from zlightning.zero._checkpoint import (
 )
 from zlightning.zero._config import ZeroConfig
 from zlightning.zero._param_group import GroupState
-from zlightning.zero._state import ZeroState
+from zlightning.zero._state import ParamInitFn, ZeroState
 from zlightning.zero._unit import UnitPolicy
 
 __all__ = [
@@ -233,6 +233,9 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         loss_scaler: fp16 dynamic loss scaling; None for fp32/bf16.
         gradient_accumulation_steps: ``backward`` divides the loss by this; call ``step`` once per window.
         unit_policy: ``policy(name, module) -> bool`` choosing units in code (overrides ``config.unit_modules``).
+        device: where shards live; required when ``module`` was built on the meta device (sharded initialisation).
+        param_init_fn: initialises one module's own parameters for a meta-device model (default: its
+            ``reset_parameters()``).
     """
 
     def __init__(
@@ -246,6 +249,8 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         loss_scaler: LossScalerConfig | None = None,
         gradient_accumulation_steps: int = 1,
         unit_policy: UnitPolicy | None = None,
+        device: torch.device | None = None,
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
         if gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0 (0 disables it), got {gradient_clipping}")
@@ -253,7 +258,9 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         self.module = module
         self.optimizer = init_optimizer
-        self.state = ZeroState(module, config or ZeroConfig(), process_group, unit_policy)
+        self.state = ZeroState(
+            module, config or ZeroConfig(), process_group, unit_policy, device=device, param_init_fn=param_init_fn
+        )
         attach_optimizer(self.state, init_optimizer)
         self.gradient_clipping = gradient_clipping
         self.scaler = DynamicLossScaler(loss_scaler) if loss_scaler is not None else None

@@ -75,7 +75,8 @@ class ZeroParam:
 
     def release_original_storage(self) -> None:
         """Frees the original full tensor's memory while keeping the Python object for ``unshard_module``."""
-        self.original.data = torch.empty(0, dtype=self.dtype, device=self.original.device)
+        if not self.original.is_meta:  # a meta-device original (sharded init) holds no memory anyway
+            self.original.data = torch.empty(0, dtype=self.dtype, device=self.piece.device)
 
     def __repr__(self) -> str:
         return f"ZeroParam({self.fqn}, shape={tuple(self.shape)}, local=[{self.local_start},{self.local_end}))"

@@ -86,7 +86,7 @@ class ZeroParamGroup:
         self.rank = state.rank
         self.numel = sum(p.numel for p in params)
         self.shard_numel = -(-self.numel // self.world)
-        self.device = params[0].original.device
+        self.device = state.device
         self.grad = None
         self.status = GroupState.SHARDED
         self.stale = False
@@ -102,16 +102,26 @@ class ZeroParamGroup:
     # ---------------------------------------------------------------- construction
     def _build_shard(self) -> None:
         start = self.rank * self.shard_numel
-        flat = torch.zeros(self.world * self.shard_numel, dtype=self.master_dtype, device=self.device)
+        end = start + self.shard_numel
         offset = 0
         for p in self.params:
-            flat[offset : offset + p.numel].copy_(p.original.detach().reshape(-1))
-            p.place(offset, start, start + self.shard_numel)
+            p.place(offset, start, end)
             offset += p.numel
-        if self.state.sync_module_states and self.world > 1:
+        if self.state.sync_module_states and self.world > 1 and not self.state.meta_init:
+            # Everyone takes rank 0's values: build the whole flat layout once and broadcast it.
+            flat = torch.zeros(self.world * self.shard_numel, dtype=self.master_dtype, device=self.device)
+            for p in self.params:
+                flat[p.offset : p.offset + p.numel].copy_(p.original.detach().reshape(-1))
             dist.broadcast(flat, src=self.state.global_src, group=self.state.process_group)
-        self.shard = flat[start : start + self.shard_numel].clone()
-        del flat
+            self.shard = flat[start:end].clone()
+            del flat
+        else:
+            # Write only this rank's slice (the shard is allocated first, temporaries after: less fragmentation).
+            self.shard = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.device)
+            for p in self.params:
+                if p.local_numel:
+                    value = self.state.initial_value(p) if p.original.is_meta else p.original.detach()
+                    self.shard[p.local_start - start : p.local_end - start].copy_(p.local_slice_of(value))
         for p in self.params:
             p.bind_piece(self.shard, start)
             p.release_original_storage()

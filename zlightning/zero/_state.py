@@ -7,6 +7,14 @@ the first unit used outside one. Each pass records the order in which units ran;
 order and backward prefetches in reverse. The recorded order is a hint: a unit that runs out of order is gathered on
 demand (correct, just not overlapped), never an error.
 
+[Note: sharded initialisation]
+A model built on the meta device (Lightning's ``configure_model`` under the strategy, or ``torch.device("meta")``)
+costs no memory. Each group then materialises, one module at a time, only the parameters it needs: the module's own
+parameters are allocated, initialised by ``param_init_fn(module)`` or ``module.reset_parameters()`` under a seed
+derived from the run's seed and the module's qualified name, copied into the group's flat layout, and dropped. Values
+depend on the seed and the names only, so every world size starts from the same model; peak memory is one group's
+flat layout (one unit), not the model.
+
 [Note: unused parameters]
 A reduce-scatter must be issued by every rank in the same order, so each group that took part in the forward with
 grad enabled reduces its full gradient (zeros where a parameter got none). To still match single-process training,
@@ -21,7 +29,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +44,10 @@ from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import GroupState, ZeroParamGroup
 from zlightning.zero._unit import UnitPolicy, ZeroUnit, select_unit_modules
 
-__all__ = ["ZeroState"]
+__all__ = ["ParamInitFn", "ZeroState"]
+
+ParamInitFn = Callable[[nn.Module], None]
+"""Initialises one module's own (non-recursive) parameters in place, like ``nn.Linear.reset_parameters``."""
 
 
 class ZeroState:
@@ -47,6 +59,9 @@ class ZeroState:
         config: ZeroConfig,
         process_group: dist.ProcessGroup | None = None,
         unit_policy: UnitPolicy | None = None,
+        *,
+        device: torch.device | None = None,
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -62,7 +77,16 @@ class ZeroState:
         self.sync_module_states = config.sync_module_states
         self.param_dtype = dtype_from_name(config.mixed_precision.param_dtype)
         self.reduce_dtype = dtype_from_name(config.mixed_precision.reduce_dtype) or torch.float32
-        self.device = _module_device(root)
+        self.device = device if device is not None else _module_device(root)
+        if self.device.type == "meta":
+            raise ValueError(
+                "the model is on the meta device: pass device=... (where shards should live) so each rank can "
+                "initialise only its own shards"
+            )
+        self.meta_init = any(p.is_meta for p in root.parameters())
+        self.param_init_fn = param_init_fn
+        self._init_seed = self._shared_seed() if self.meta_init else 0
+        self._init_cache: dict[int, dict[str, torch.Tensor]] = {}
         self.streams = CommStreams(self.device)
         self.params: list[ZeroParam] = []
         self.units: list[ZeroUnit] = []
@@ -90,7 +114,8 @@ class ZeroState:
     def _build(self, unit_policy: UnitPolicy | None) -> None:
         if self.sync_module_states and self.world_size > 1:
             for buf in self.root.buffers():
-                dist.broadcast(buf.data, src=self.global_src, group=self.process_group)
+                if not buf.is_meta:
+                    dist.broadcast(buf.data, src=self.global_src, group=self.process_group)
         unit_mods = select_unit_modules(self.root, self.config.unit_modules, unit_policy)
         self.units = [ZeroUnit(0, "", self.root, self, is_root=True)]
         self.units += [ZeroUnit(i + 1, n, m, self, is_root=False) for i, (n, m) in enumerate(unit_mods)]
@@ -111,6 +136,13 @@ class ZeroState:
             for params in _split_by_kind(per_unit.get(unit.index, [])):
                 unit.groups.append(self._new_group(params, persistent=False))
         self.persistent_groups = [self._new_group(ps, persistent=True) for ps in _split_by_kind(persistent)]
+        self._init_cache = {}
+        meta_buffers = [n for n, b in self.root.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ValueError(
+                f"buffers {meta_buffers[:5]} are still on the meta device after sharded initialisation: their modules "
+                "must (re)create them in reset_parameters() or param_init_fn, or create them outside the meta context"
+            )
         for zp in self.params:
             zp.install(zp.piece)
             self._by_piece[id(zp.piece)] = zp
@@ -127,6 +159,47 @@ class ZeroState:
         for m in lazy.values():
             if m is not self.root:
                 self._root_handles.append(m.register_forward_pre_hook(lambda mod, a: self._ensure_root()))
+
+    # ---------------------------------------------------------------- sharded initialisation
+    def _shared_seed(self) -> int:
+        seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.broadcast(seed, src=self.global_src, group=self.process_group)
+        return int(seed.item())
+
+    def initial_value(self, zp: ZeroParam) -> torch.Tensor:
+        """Full initial value of a meta-device parameter, computed locally (see [Note: sharded initialisation])."""
+        module, name = zp.slots[0]
+        key = id(module)
+        if key not in self._init_cache:
+            self._init_cache = {key: self._init_module(module, _fqn_of(zp, name))}
+        return self._init_cache[key][name]
+
+    def _init_module(self, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+        originals = dict(module._parameters)
+        for n, p in originals.items():
+            if p is not None:
+                module._parameters[n] = nn.Parameter(torch.empty_like(p, device=self.device), p.requires_grad)
+        for n, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[n] = torch.empty_like(b, device=self.device)
+        seed = (self._init_seed * 1_000_003 + _stable_hash(prefix)) % (2**63)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(seed)
+            if self.param_init_fn is not None:
+                self.param_init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()  # type: ignore[operator]
+            else:
+                raise ValueError(
+                    f"parameters of {prefix or '<root>'} ({type(module).__name__}) are on the meta device but the "
+                    "module has no reset_parameters(): give the ZeRO engine param_init_fn=... (called per module) "
+                    "or build that module outside the sharded-init context"
+                )
+        values = {n: p.detach() for n, p in module._parameters.items() if p is not None}
+        module._parameters.update(originals)  # back to meta; buffers stay materialised
+        return values
 
     def _persistent_indices(self) -> set[int]:
         """Small parameters that stay gathered, smallest first, within ``model_persistence_threshold``."""
@@ -363,6 +436,15 @@ class ZeroState:
             h.remove()
         self._root_handles.clear()
         self.optimizer_hooks.clear()
+
+
+def _fqn_of(zp: ZeroParam, name: str) -> str:
+    """The qualified name of the module holding ``zp`` in its first slot (the parameter's name minus ``name``)."""
+    return zp.fqn[: -len(name)].rstrip(".")
+
+
+def _stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _module_device(module: nn.Module) -> torch.device:
