@@ -51,8 +51,10 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from zlightning.strategies._precision import ZeroPrecision
+from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
 from zlightning.zero import (
     CheckpointPolicy,
+    DynamicLossScaler,
     MemoryReport,
     MixedPrecisionPolicy,
     ZeroConfig,
@@ -88,6 +90,9 @@ class ZStackZero3Strategy(ParallelStrategy):
     Args:
         zero: engine knobs (prefetch, persistence, buckets, overlap, units). See ``ZeroConfig``.
         checkpoint: sharded (default) or full checkpoints. See ``CheckpointPolicy``.
+        config: a DeepSpeed config (dict or JSON path) instead of ``zero``/``checkpoint``: its ZeRO keys are mapped,
+            its precision, clipping and batch-size keys are checked against the Trainer, and unsupported keys are
+            all reported in one error.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
         process_group_backend: ``"gloo"``/``"nccl"``; default: gloo on CPU, nccl on CUDA.
         timeout: collective timeout (a hung rank fails after this instead of blocking forever).
@@ -101,6 +106,7 @@ class ZStackZero3Strategy(ParallelStrategy):
         self,
         zero: ZeroConfig = ZeroConfig(),
         checkpoint: CheckpointPolicy = CheckpointPolicy(),
+        config: str | dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -123,6 +129,12 @@ class ZStackZero3Strategy(ParallelStrategy):
         )
         if not isinstance(checkpoint, CheckpointPolicy):
             raise TypeError(f"ZStackZero3Strategy(checkpoint=...) expects a CheckpointPolicy, got {type(checkpoint).__name__}")
+        self.deepspeed: DeepSpeedSettings | None = None
+        if config is not None:
+            if zero != ZeroConfig() or checkpoint != CheckpointPolicy():
+                raise ValueError("ZStackZero3Strategy: give either config= (DeepSpeed) or zero=/checkpoint=, not both")
+            self.deepspeed = from_deepspeed_config(config)
+            zero, checkpoint = self.deepspeed.zero, self.deepspeed.checkpoint
         self.zero = zero
         self.checkpoint = checkpoint
         self._num_nodes = 1
@@ -229,6 +241,7 @@ class ZStackZero3Strategy(ParallelStrategy):
         plugin = self.precision_plugin
         if not isinstance(plugin, ZeroPrecision):
             raise AssertionError(f"unexpected precision plugin {type(plugin).__name__}")
+        self._check_deepspeed_against(trainer, plugin)
         config = self._config_for(plugin)
         if self.model is None:
             raise AssertionError("setup() before connect()")
@@ -242,6 +255,43 @@ class ZStackZero3Strategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_deepspeed_against(self, trainer: pl.Trainer, plugin: ZeroPrecision) -> None:
+        ds = self.deepspeed
+        if ds is None:
+            return
+        wrong = []
+        if ds.precision is not None and plugin.precision != ds.precision:
+            wrong.append(f"the config enables {ds.precision.split('-')[0]}: use Trainer(precision={ds.precision!r})")
+        if ds.precision is None and plugin.precision != "32-true":
+            wrong.append(f"Trainer(precision={plugin.precision!r}) but the config enables neither bf16 nor fp16")
+        if ds.gradient_clipping and (trainer.gradient_clip_val or 0) != ds.gradient_clipping:
+            wrong.append(f"gradient_clipping={ds.gradient_clipping}: use Trainer(gradient_clip_val={ds.gradient_clipping})")
+        gas = ds.gradient_accumulation_steps
+        if gas is not None and gas != trainer.accumulate_grad_batches:
+            wrong.append(f"gradient_accumulation_steps={gas}: use Trainer(accumulate_grad_batches={gas})")
+        if wrong:
+            raise ValueError("DeepSpeed config and Trainer disagree: " + "; ".join(wrong))
+        if ds.loss_scaler is not None and plugin.scaler is not None:
+            plugin.scaler = DynamicLossScaler(ds.loss_scaler)
+
+    @override
+    def on_train_start(self) -> None:
+        ds, trainer = self.deepspeed, self.lightning_module.trainer if self.lightning_module else None
+        if ds is None or trainer is None:
+            return
+        loader = trainer.train_dataloader
+        micro = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
+        world = self.num_nodes * self.num_processes
+        wrong = []
+        if ds.train_micro_batch_size_per_gpu is not None and micro is not None and micro != ds.train_micro_batch_size_per_gpu:
+            wrong.append(f"train_micro_batch_size_per_gpu={ds.train_micro_batch_size_per_gpu} but the loader's batch size is {micro}")
+        if ds.train_batch_size is not None and micro is not None:
+            actual = micro * trainer.accumulate_grad_batches * world
+            if actual != ds.train_batch_size:
+                wrong.append(f"train_batch_size={ds.train_batch_size} but micro-batch x accumulation x ranks = {actual}")
+        if wrong:
+            raise ValueError("DeepSpeed config and the training setup disagree: " + "; ".join(wrong))
 
     def _config_for(self, plugin: ZeroPrecision) -> ZeroConfig:
         wanted = self.zero.mixed_precision.param_dtype

@@ -75,9 +75,44 @@ def _consolidate(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
-EXTRA_COMMANDS: dict[str, Command] = {"consolidate": _consolidate}
-"""Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate`` (and ``analyze``, a
-later issue); every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
+def _estimate(argv: list[str]) -> None:
+    """``zlightning estimate``: per-rank model-state memory for ZeRO stages 1-3, from a model or a parameter count."""
+    import argparse
+    import importlib
+    import json
+
+    import torch
+
+    from zlightning.zero import estimate_zero_memory
+
+    p = argparse.ArgumentParser(prog="zlightning estimate", description=_estimate.__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="class path of the model, e.g. examples.gpt.GPTLightningModule (built on meta)")
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    p.add_argument("--init-args", default="{}", help='JSON keyword arguments for --model, e.g. \'{"d_model": 512}\'')
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
+    p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed, ...")
+    p.add_argument("--offload", choices=["none"], default="none", help="CPU/NVMe offload: not available yet")
+    a = p.parse_args(argv)
+    module = None
+    if a.model:
+        mod_name, _, cls_name = a.model.rpartition(".")
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        with torch.device("meta"):
+            module = cls(**json.loads(a.init_args))
+    est = estimate_zero_memory(
+        world_size=a.world_size, module=module, num_params=int(a.params) if a.params else None,
+        stage=a.stage, precision=a.precision,
+    )
+    print(f"per-rank model states (ZeRO stage {a.stage}, {a.world_size} ranks, {a.precision}):")
+    for key, value in est.as_dict().items():
+        print(f"  {key:20s} {value / 2**30:10.3f} GiB")
+
+
+EXTRA_COMMANDS: dict[str, Command] = {"consolidate": _consolidate, "estimate": _estimate}
+"""Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate``, ``estimate`` (and
+``analyze``, a later issue); every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
 
 
 _HELP_EPILOG = (

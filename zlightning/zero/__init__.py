@@ -16,6 +16,8 @@ from zlightning.zero._checkpoint import (
     unshard_module,
 )
 from zlightning.zero._config import CheckpointPolicy, MixedPrecisionPolicy, ZeroConfig
+from zlightning.zero._deepspeed_config import DeepSpeedSettings, UnsupportedConfigError, from_deepspeed_config
+from zlightning.zero._estimate import MemoryEstimate, estimate_zero_memory
 from zlightning.zero._optimizer import (
     DeepSpeedZeroOptimizer_Stage3,
     DynamicLossScaler,
@@ -40,17 +42,22 @@ ZeroOptimizer = DeepSpeedZeroOptimizer_Stage3
 __all__ = [
     "CheckpointError",
     "CheckpointPolicy",
+    "DeepSpeedSettings",
     "DeepSpeedZeroOptimizer_Stage3",
     "DynamicLossScaler",
     "LossScalerConfig",
+    "MemoryEstimate",
     "MemoryReport",
     "MixedPrecisionPolicy",
     "ZeroConfig",
     "ZeroOptimizer",
+    "UnsupportedConfigError",
     "ZeroState",
     "attach_optimizer",
     "consolidate",
     "clip_grad_norm_",
+    "from_deepspeed_config",
+    "estimate_zero_memory",
     "full_optim_state_dict",
     "full_state_dict",
     "global_grad_norm",
