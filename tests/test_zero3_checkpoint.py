@@ -36,11 +36,11 @@ def _step(zero: DeepSpeedZeroOptimizer_Stage3, rank: int, world: int, seed: int)
     zero.step()
 
 
-def _save(rank: int, world: int, path: str) -> dict[str, Any]:
+def _save(rank: int, world: int, path: str, full_weights: bool = False) -> dict[str, Any]:
     zero = _engine(tiny_gpt())
     for seed in range(2):
         _step(zero, rank, world, seed)
-    save_sharded(zero.state, [zero.optimizer], path, {"epoch": 3})
+    save_sharded(zero.state, [zero.optimizer], path, {"epoch": 3}, save_full_weights=full_weights)
     return {"model": zero.module_state_dict(), "optim": zero.state_dict()["optimizer"]}
 
 
@@ -54,12 +54,13 @@ def _load(rank: int, world: int, path: str, extra_step: bool) -> dict[str, Any]:
     return out
 
 
-def test_reshard_between_world_sizes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, (1, 2, 4)), (1, (2,))])
+def test_reshard_between_world_sizes(tmp_path: Path, saved_at: int, loaded_at: tuple[int, ...]) -> None:
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_save, 2, path, timeout=180)[0]
-    assert sorted(os.listdir(path)) == ["client_state.pt", "meta.json", "rank_00000.pt", "rank_00001.pt"]
+    saved = run_distributed(_save, saved_at, path, timeout=180)[0]
+    assert sorted(os.listdir(path)) == ["client_state.pt", "meta.json"] + [f"rank_{r:05d}.pt" for r in range(saved_at)]
     continued = {}
-    for world in (1, 2, 4):
+    for world in loaded_at:
         out = run_distributed(_load, world, path, True, timeout=240)
         for r in out:
             assert r["client"] == {"epoch": 3}
@@ -69,8 +70,8 @@ def test_reshard_between_world_sizes(tmp_path: Path) -> None:
                 for key, value in s.items():
                     assert torch.equal(r["optim"]["state"][i][key], value), (world, i, key)
         continued[world] = out[0]["after"]
-    for world in (1, 4):  # training continues identically whatever the world size
-        for name, value in continued[2].items():
+    for world in loaded_at[1:]:  # training continues identically whatever the world size
+        for name, value in continued[loaded_at[0]].items():
             torch.testing.assert_close(continued[world][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -156,3 +157,11 @@ def _crash_mid_save(rank: int, world: int, path: str) -> bool:
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert run_distributed(_crash_mid_save, 1, str(tmp_path / "ckpt"), timeout=120) == [True]
+
+
+def test_save_full_weights(tmp_path: Path) -> None:
+    saved = run_distributed(_save, 2, str(tmp_path / "ckpt"), True, timeout=180)[0]["model"]
+    plain = tiny_gpt(seed=9)
+    plain.load_state_dict(torch.load(tmp_path / "ckpt" / "full_weights.pt", weights_only=True))
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, saved[name]), name

@@ -122,3 +122,16 @@ def test_validation_and_use_after_fit() -> None:
         expected = sum(float(gpt_loss(plain.model, b[0])) for i, b in enumerate(data) if i < 2 * WORLD) / (2 * WORLD)
     assert abs(out[0]["val_again"] - expected) < 1e-5
     assert out[0]["val"] == out[1]["val"]
+
+
+def _top_k(rank: int, world: int, ckpt_dir: str) -> list[str]:
+    pl.seed_everything(0, verbose=False)
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=1, save_last=True)
+    _trainer(max_steps=3, callbacks=[ckpt], enable_checkpointing=True).fit(TinyGPTModule(), loader(4, 2, world))
+    return sorted(os.listdir(ckpt_dir))
+
+
+def test_model_checkpoint_rotates_sharded_directories(tmp_path: Any) -> None:
+    listing = run_distributed(_top_k, WORLD, str(tmp_path), init_process_group=False, timeout=180)[0]
+    assert listing == ["epoch=0-step=3.ckpt", "last.ckpt"], listing  # older top-k directories were removed
+    assert (tmp_path / "epoch=0-step=3.ckpt" / "meta.json").is_file()
