@@ -8,3 +8,25 @@ next-token samples and keeps the document boundaries.
 from .text import BYTE_VOCAB_SIZE, PackedByteDataset, TextCorpusDataModule, corpus_files
 
 __all__ = ["BYTE_VOCAB_SIZE", "PackedByteDataset", "TextCorpusDataModule", "corpus_files"]
+
+# Curriculum data pipeline (issue 4): DeepSpeed's data-efficiency curriculum, typed, resumable and DP-safe.
+from .curriculum_analyzer import DataAnalyzer, MetricSpec, write_metric_index
+from .curriculum_config import CurriculumMetricConfig, DataEfficiencyConfig
+from .curriculum_index import IndexFile
+from .curriculum_module import CurriculumDataModule
+from .curriculum_sampler import DeepSpeedDataSampler
+from .curriculum_schedule import CurriculumSchedule, CurriculumScheduler, difficulty_at
+
+__all__ += [
+    "CurriculumDataModule",
+    "CurriculumMetricConfig",
+    "CurriculumSchedule",
+    "CurriculumScheduler",
+    "DataAnalyzer",
+    "DataEfficiencyConfig",
+    "DeepSpeedDataSampler",
+    "IndexFile",
+    "MetricSpec",
+    "difficulty_at",
+    "write_metric_index",
+]

@@ -110,9 +110,16 @@ def _estimate(argv: list[str]) -> None:
         print(f"  {key:20s} {value / 2**30:10.3f} GiB")
 
 
-EXTRA_COMMANDS: dict[str, Command] = {"consolidate": _consolidate, "estimate": _estimate}
-"""Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate``, ``estimate`` (and
-``analyze``, a later issue); every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
+def _analyze(argv: list[str]) -> None:
+    """``zlightning analyze``: the curriculum DataAnalyzer (metric index files for DeepSpeedDataSampler)."""
+    from zlightning.datamodules.curriculum_cli import analyze_main
+
+    analyze_main(argv)
+
+
+EXTRA_COMMANDS: dict[str, Command] = {"consolidate": _consolidate, "estimate": _estimate, "analyze": _analyze}
+"""Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate``, ``estimate``,
+``analyze``; every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
 
 
 _HELP_EPILOG = (

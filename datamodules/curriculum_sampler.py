@@ -1,0 +1,647 @@
+"""`DeepSpeedDataSampler`: a curriculum batch sampler with DeepSpeed's names, made exact-resumable and DP-safe.
+
+Iterating it yields this data-parallel rank's micro-batches (lists of dataset indices). Once per global batch
+(``G = micro_batch_size * dp_size * grad_accum`` samples, i.e. per optimizer step) it advances ``curriculum_step``
+(1-based), updates each metric's difficulty (`CurriculumScheduler`), adds a cluster when a difficulty changed, draws
+the global batch from the clusters and shuffles it. Without curriculum it is a plain shuffled batch sampler.
+
+[Note: clusters]
+A cluster is the set of samples that became eligible at one difficulty change: cluster ``c`` is every sample eligible
+under all metrics at the difficulties of its creation, minus every earlier cluster. Clusters are therefore disjoint
+and their union is the currently eligible set (spec 4.1 #5). Eligibility per metric: ``value``: ``metric <= d``;
+``percentile``: among the first ``(N1 // max_difficulty) * d`` samples in ascending-metric order (all when
+``d >= max_difficulty``); ``single_cluster``: every sample. An empty intersection is an empty set, never "no
+constraint" (DeepSpeed treats one metric's empty set as no constraint and breaks the bound). A cluster is named
+``cluster_{metric}{difficulty}...`` and, with ``data_cluster_path``, persisted there (sorted ids, index-file
+format) with a ``.json`` fingerprint of what produced it; a later sampler (a resume, another rank, the next run)
+re-uses a file whose fingerprint matches and recomputes one that does not (no stale-file hazard).
+
+[Note: drawing]
+Each global batch: ``choice(num_clusters, G, p = sizes / sum(sizes))`` on the sampler's own generator gives how
+many samples come from each cluster; each cluster hands out successive passes over a permutation of its members,
+wrapping as many times as needed, so the global batch always has exactly ``G`` samples and ``grad_accum``
+micro-batches per curriculum step, whatever the cluster sizes (DeepSpeed wraps once only, PR #8520). The
+permutation of pass ``k`` of cluster ``c`` is a pure function of ``(seed, c, k)``, so the state of a cluster is two
+integers. The global batch is then shuffled with the sampler's generator.
+
+[Note: no broadcast]
+DeepSpeed draws on global rank 0 and broadcasts, which fails when global rank 0 is not in a rank's DP group (TP>1)
+and needs a shared filesystem for clusters. Here every rank computes the same global batch from the same seed,
+config and index files (everything is deterministic: numpy ``PCG64`` generators seeded from ``seed``), and takes its
+slice. There is no collective at all; ``data_parallel_group`` and ``global_rank`` are accepted for API compatibility.
+The global RNGs (``random``, ``numpy.random``, ``torch``) are never read or written.
+
+[Note: state and resume]
+State: ``curriculum_step``, difficulties, cluster names and creation difficulties, per-cluster (pass, position),
+the generator's ``bit_generator.state``, the schedulers' state, the pending rest of the global batch, the counters
+(``consumed_samples``, ``micro_batches``) and, without curriculum, ``epoch``/``epoch_position``. Loading it into a
+fresh sampler continues the identical sequence (DeepSpeed saves the global numpy RNG instead, #8405).
+Loaders prefetch: by the time a training step runs, the sampler has already yielded later micro-batches. So the
+sampler remembers the state after each of its recent yields, and ``state_dict(micro_batches=k)`` returns the state
+right after the ``k``-th micro-batch; `CurriculumDataModule` passes the number the Trainer actually consumed.
+
+[Note: counting and termination]
+``consumed_samples`` counts global samples (``micro_batch_size * dp_size`` per micro-batch) *including* the one just
+yielded (DeepSpeed lags one micro-batch). With curriculum, iteration stops once ``N * num_epochs`` samples are
+consumed: ``floor(total / m)`` micro-batches with ``drop_last`` (DeepSpeed yields one more, its ``<=`` quirk), the
+last one partial without it. ``len()`` is that per-rank micro-batch count (DeepSpeed returns a sample count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .curriculum_config import CurriculumMetricConfig, DataEfficiencyConfig
+from .curriculum_index import IndexFile, find_fit_int_dtype, write_index_file
+from .curriculum_schedule import CurriculumScheduler, CustomDifficultyFn
+
+__all__ = ["DeepSpeedDataSampler"]
+
+log = logging.getLogger(__name__)
+
+_STATE_FORMAT = "zlightning.DeepSpeedDataSampler/1"
+_HISTORY = 4096  # yields remembered for state_dict(micro_batches=k); far more than any loader prefetches
+
+
+@dataclass
+class _Cluster:
+    name: str
+    difficulties: dict[str, int]
+    members: np.ndarray  # int64 [size], sorted sample ids
+    pass_no: int = 0
+    position: int = 0
+    _perm: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class _Durable:
+    """Everything but the pending batch and counters; rebuilt only when a global batch is drawn."""
+
+    curriculum_step: int
+    current_difficulties: dict[str, int]
+    cluster_names: list[str]
+    cluster_difficulties: list[dict[str, int]]
+    cluster_pass: list[int]
+    cluster_position: list[int]
+    rng_state: dict[str, Any]
+    scheduler_states: dict[str, dict[str, int]]
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """The state right after one yield (cheap: references only)."""
+
+    durable: _Durable
+    batch: np.ndarray
+    batch_pos: int
+    consumed_samples: int
+    micro_batches: int
+    epoch: int
+    epoch_position: int
+
+
+class _MetricIndex:
+    """Memory-mapped view of one metric's ``index_to_sample`` (and ``index_to_metric``) files."""
+
+    def __init__(self, cfg: CurriculumMetricConfig) -> None:
+        self.samples = IndexFile(cfg.index_to_sample_path)  # type: ignore[arg-type]
+        self.values: np.ndarray | None = None
+        if cfg.difficulty_type == "value":
+            metric = IndexFile(cfg.index_to_metric_path)  # type: ignore[arg-type]
+            if len(metric) != len(self.samples):
+                raise ValueError(
+                    f"DeepSpeedDataSampler: {cfg.index_to_metric_path} has {len(metric)} rows but "
+                    f"{cfg.index_to_sample_path} has {len(self.samples)}; they must come from the same analysis."
+                )
+            self.values = np.asarray(metric.values, dtype=np.int64)
+            if np.any(np.diff(self.values) <= 0):
+                raise ValueError(f"DeepSpeedDataSampler: {cfg.index_to_metric_path} is not strictly increasing.")
+
+    def prefix_upto_value(self, d: float) -> int:
+        """Number of samples (in index order) whose value is ``<= d``."""
+        if self.values is None:
+            raise AssertionError("value lookup on a percentile metric")
+        rows = int(np.searchsorted(self.values, d, side="right"))
+        return int(self.samples.row_starts[rows])
+
+    def prefix_upto_percentile(self, p: float, max_difficulty: int) -> int:
+        """Number of samples (in index order) in percentile units ``[0, p)``."""
+        total = int(self.samples.values.size)
+        if p >= max_difficulty:
+            return total
+        return max(0, (total // max_difficulty) * int(p))
+
+
+class DeepSpeedDataSampler:
+    """Curriculum batch sampler (DeepSpeed's ``DeepSpeedDataSampler``, same arguments and method names).
+
+    See [Note: clusters], [Note: drawing], [Note: no broadcast], [Note: state and resume] and
+    [Note: counting and termination] for the algorithm and how it differs from DeepSpeed 0.19.8.
+
+    Args:
+        data_efficiency_config: DeepSpeed's ``data_efficiency`` dict (or a whole DeepSpeed config) or a
+            `DataEfficiencyConfig`.
+        one_epoch_total_samples: Dataset length N.
+        micro_batch_size: Samples per micro-batch per rank (b).
+        data_parallel_rank: This rank's data-parallel index r.
+        data_parallel_size: Number of data-parallel ranks D.
+        data_parallel_group: Unused (see [Note: no broadcast]).
+        gradient_accumulation_steps: Micro-batches per optimizer step A.
+        global_rank: Unused (see [Note: no broadcast]).
+        drop_last: Drop a final partial micro-batch.
+
+    Raises:
+        ValueError: For a non-positive size, ``r`` outside ``[0, D)``, or an invalid config.
+    """
+
+    config: DataEfficiencyConfig
+    one_epoch_total_samples: int
+    total_samples: int
+    micro_batch_size: int
+    data_parallel_rank: int
+    data_parallel_size: int
+    gradient_accumulation_steps: int
+    micro_batch_times_data_parallel_size: int
+    global_batch_size: int
+    drop_last: bool
+    curriculum_schedulers: dict[str, CurriculumScheduler]
+    consumed_samples: int
+    micro_batches: int
+    curriculum_step: int
+    current_difficulties: dict[str, int]
+    epoch: int
+    epoch_position: int
+
+    def __init__(
+        self,
+        data_efficiency_config: Mapping[str, Any] | DataEfficiencyConfig,
+        one_epoch_total_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+        data_parallel_group: Any = None,
+        gradient_accumulation_steps: int = 1,
+        global_rank: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        cfg = data_efficiency_config
+        self.config = cfg if isinstance(cfg, DataEfficiencyConfig) else DataEfficiencyConfig.from_dict(cfg)
+        for name, value in (
+            ("one_epoch_total_samples", one_epoch_total_samples),
+            ("micro_batch_size", micro_batch_size),
+            ("data_parallel_size", data_parallel_size),
+            ("gradient_accumulation_steps", gradient_accumulation_steps),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DeepSpeedDataSampler: {name} must be a positive int, got {value!r}.")
+        if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int) or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(
+                f"DeepSpeedDataSampler: data_parallel_rank must be in [0, data_parallel_size={data_parallel_size}), "
+                f"got {data_parallel_rank!r}."
+            )
+        self.one_epoch_total_samples = one_epoch_total_samples
+        self.total_samples = one_epoch_total_samples * self.config.data_sampling.num_epochs
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.global_batch_size = self.micro_batch_times_data_parallel_size * gradient_accumulation_steps
+        self.drop_last = drop_last
+        self.index_dtype = find_fit_int_dtype(0, one_epoch_total_samples - 1)
+        cl = self.config.curriculum
+        self.curriculum_schedulers = {n: CurriculumScheduler(m.schedule) for n, m in cl.curriculum_metrics.items()}
+        self._metric_indexes: dict[str, _MetricIndex] = {}
+        self._cluster_dir = Path(cl.data_cluster_path) if cl.data_cluster_path else None
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.np_rng = np.random.Generator(np.random.PCG64(self.config.seed))
+        self.consumed_samples = 0
+        self.micro_batches = 0
+        self.curriculum_step = 0
+        self.current_difficulties = {}
+        self.epoch = 0
+        self.epoch_position = 0
+        self.data_clusters: list[_Cluster] = []
+        self._assigned = np.zeros(self.one_epoch_total_samples, dtype=bool)
+        self._batch = np.zeros(0, dtype=np.int64)
+        self._batch_pos = 0
+        self._durable = self._capture_durable()
+        self._history: deque[_Mark] = deque(maxlen=_HISTORY)
+        self._history.append(self._mark())
+
+    @property
+    def curriculum_enabled(self) -> bool:
+        """Whether the curriculum is on (``curriculum_learning.enabled``)."""
+        return self.config.curriculum.enabled
+
+    @property
+    def batch(self) -> list[int]:
+        """The pending (not yet yielded) rest of the current global batch."""
+        return self._batch[self._batch_pos :].tolist()
+
+    def __len__(self) -> int:
+        """Micro-batches one full iteration yields on this rank (see [Note: counting and termination])."""
+        total = self.total_samples if self.curriculum_enabled else self.one_epoch_total_samples
+        m = self.micro_batch_times_data_parallel_size
+        return total // m if self.drop_last else math.ceil(total / m)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # iteration
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yields this rank's micro-batches: the rest of the run with curriculum, else the rest of one epoch."""
+        if self.curriculum_enabled:
+            yield from self._iter_curriculum()
+        else:
+            yield from self._iter_epoch()
+
+    def _iter_curriculum(self) -> Iterator[list[int]]:
+        m = self.micro_batch_times_data_parallel_size
+        while self.consumed_samples < self.total_samples:
+            if self._batch_pos >= self._batch.size:
+                self.get_next_global_batch()
+            take = min(m, self._batch.size - self._batch_pos, self.total_samples - self.consumed_samples)
+            if take < m and self.drop_last:
+                return
+            cur = self._batch[self._batch_pos : self._batch_pos + take]
+            self._batch_pos += take
+            yield self._consume(cur)
+
+    def _iter_epoch(self) -> Iterator[list[int]]:
+        n, m = self.one_epoch_total_samples, self.micro_batch_times_data_parallel_size
+        perm = np.random.default_rng([self.config.seed, self.epoch]).permutation(n)
+        while self.epoch_position < n:
+            take = min(m, n - self.epoch_position)
+            if take < m and self.drop_last:
+                break
+            cur = perm[self.epoch_position : self.epoch_position + take]
+            self.epoch_position += take
+            yield self._consume(cur)
+        self.epoch += 1
+        self.epoch_position = 0
+
+    def _consume(self, cur: np.ndarray) -> list[int]:
+        self.consumed_samples += int(cur.size)
+        self.micro_batches += 1
+        self._history.append(self._mark())
+        start, end = self.get_start_end_idx(int(cur.size))
+        return cur[start:end].tolist()
+
+    def get_start_end_idx(self, batch_len: int | None = None) -> tuple[int, int]:
+        """This rank's ``[start, end)`` in a micro-batch of ``batch_len`` samples (default ``b * D``).
+
+        ``start(r) = round(r * batch_len / D)`` (Python's round): contiguous, disjoint, covering; sizes differ by at
+        most one for a partial micro-batch.
+        """
+        n = self.micro_batch_times_data_parallel_size if batch_len is None else batch_len
+        d, r = self.data_parallel_size, self.data_parallel_rank
+        return round(r * n / d), round((r + 1) * n / d)
+
+    def get_next_global_batch(self) -> None:
+        """Advances the curriculum one step and draws the next global batch (``G`` samples). See [Note: drawing].
+
+        Raises:
+            ValueError: If no sample is eligible at the current difficulties (the message names the metrics).
+        """
+        self.curriculum_step += 1
+        new_cluster_needed = False
+        for name, scheduler in self.curriculum_schedulers.items():
+            nxt = scheduler.update_difficulty(self.curriculum_step)
+            if self.current_difficulties.get(name) != nxt:
+                new_cluster_needed = True
+            self.current_difficulties[name] = nxt
+        if new_cluster_needed:
+            self.get_new_cluster()
+        if not self.data_clusters:
+            raise ValueError(self._empty_message())
+        counts = self.sample_from_clusters()
+        parts = [self.get_sample_from_cluster(c, int(k)) for c, k in enumerate(counts) if k > 0]
+        batch = np.concatenate(parts)
+        self.np_rng.shuffle(batch)
+        if batch.size != self.global_batch_size:
+            raise AssertionError(f"{batch.size=} {self.global_batch_size=}")
+        self._batch, self._batch_pos = batch, 0
+        self._durable = self._capture_durable()
+
+    def _empty_message(self) -> str:
+        sizes = {n: int(self._eligible(n, d).sum()) for n, d in self.current_difficulties.items()}
+        empty = [n for n, s in sizes.items() if s == 0]
+        return (
+            f"DeepSpeedDataSampler: no sample is eligible at curriculum_step {self.curriculum_step} with difficulties "
+            f"{self.current_difficulties} (eligible samples per metric: {sizes}; empty: {empty or 'the intersection'}). "
+            "Raise min_difficulty of those metrics to at least their smallest metric value (see *_index_to_metric), "
+            "or check that the index files belong to this dataset."
+        )
+
+    def sample_from_clusters(self) -> np.ndarray:
+        """How many of the ``G`` samples come from each cluster: a size-weighted multinomial draw (int64)."""
+        sizes = np.array([c.members.size for c in self.data_clusters], dtype=np.float64)
+        draws = self.np_rng.choice(len(sizes), self.global_batch_size, replace=True, p=sizes / sizes.sum())
+        return np.bincount(draws, minlength=len(sizes))
+
+    def get_sample_from_cluster(self, cluster_index: int, num_samples: int) -> np.ndarray:
+        """The next ``num_samples`` ids of a cluster's successive shuffled passes, wrapping as often as needed."""
+        c = self.data_clusters[cluster_index]
+        out: list[np.ndarray] = []
+        need = num_samples
+        while need > 0:
+            if c.position >= c.members.size:
+                c.pass_no, c.position = c.pass_no + 1, 0
+            perm = self._permutation(cluster_index)
+            take = perm[c.position : c.position + need]
+            out.append(take)
+            c.position += take.size
+            need -= take.size
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def _permutation(self, cluster_index: int) -> np.ndarray:
+        c = self.data_clusters[cluster_index]
+        if c._perm is None or c._perm[0] != c.pass_no:
+            rng = np.random.default_rng([self.config.seed, cluster_index, c.pass_no])
+            c._perm = (c.pass_no, rng.permutation(c.members))
+        return c._perm[1]
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # clusters
+
+    def _metric_index(self, name: str) -> _MetricIndex:
+        if name not in self._metric_indexes:
+            self._metric_indexes[name] = _MetricIndex(self.config.curriculum.curriculum_metrics[name])
+        return self._metric_indexes[name]
+
+    def _ordered(self, name: str, lo_pos: int, hi_pos: int) -> np.ndarray:
+        idx = self._metric_index(name).samples.values
+        if idx.size != self.one_epoch_total_samples:
+            raise ValueError(
+                f"DeepSpeedDataSampler: metric {name!r} indexes {idx.size} samples but the dataset has "
+                f"{self.one_epoch_total_samples}; re-run the analysis on this dataset."
+            )
+        return np.asarray(idx[lo_pos:hi_pos], dtype=np.int64)
+
+    def get_sample_based_on_metric_value(self, metric: str, value_start: float, value_end: float) -> np.ndarray:
+        """Sample ids with ``value_start < metric <= value_end``, in ascending-metric order (empty if none)."""
+        index = self._metric_index(metric)
+        return self._ordered(metric, index.prefix_upto_value(value_start), index.prefix_upto_value(value_end))
+
+    def get_sample_based_on_metric_percentile(self, metric: str, start: float, end: float) -> np.ndarray:
+        """Sample ids in percentile units ``[start, end)`` of the ascending-metric order (empty if none)."""
+        index = self._metric_index(metric)
+        top = self.config.curriculum.curriculum_metrics[metric].schedule.max_difficulty
+        return self._ordered(metric, index.prefix_upto_percentile(start, top), index.prefix_upto_percentile(end, top))
+
+    def _eligible(self, name: str, difficulty: int) -> np.ndarray:
+        m = self.config.curriculum.curriculum_metrics[name]
+        mask = np.zeros(self.one_epoch_total_samples, dtype=bool)
+        if m.clustering_type == "single_cluster":
+            mask[:] = True
+        elif m.difficulty_type == "value":
+            mask[self.get_sample_based_on_metric_value(name, -math.inf, difficulty)] = True
+        else:
+            mask[self.get_sample_based_on_metric_percentile(name, 0, difficulty)] = True
+        return mask
+
+    def _cluster_name(self, difficulties: Mapping[str, int]) -> str:
+        return "cluster" + "".join(f"_{n}{difficulties[n]}" for n in self.curriculum_schedulers)
+
+    def get_new_cluster(self, previous_difficulties: Mapping[str, int] | None = None) -> None:
+        """Adds the cluster of samples newly eligible at the current difficulties. See [Note: clusters].
+
+        Args:
+            previous_difficulties: Ignored (DeepSpeed signature); the increment is "eligible now minus every
+                existing cluster".
+        """
+        diffs = dict(self.current_difficulties)
+        members = self._load_or_compute_cluster(diffs)
+        if members.size == 0:
+            log.debug("DeepSpeedDataSampler: no new samples at difficulties %s", diffs)
+            return
+        self._add_cluster(self._cluster_name(diffs), diffs, members)
+
+    def _add_cluster(self, name: str, diffs: dict[str, int], members: np.ndarray) -> None:
+        self._assigned[members] = True
+        self.data_clusters.append(_Cluster(name=name, difficulties=diffs, members=members))
+
+    def _compute_cluster(self, diffs: Mapping[str, int]) -> np.ndarray:
+        mask = ~self._assigned
+        for name, d in diffs.items():
+            mask &= self._eligible(name, d)
+        return np.flatnonzero(mask).astype(np.int64)
+
+    def _fingerprint(self, diffs: Mapping[str, int]) -> dict[str, Any]:
+        metrics = {}
+        for name, m in self.config.curriculum.curriculum_metrics.items():
+            files = [p for p in (m.index_to_sample_path, m.index_to_metric_path) if p and m.clustering_type == "schedule_based"]
+            stats = [[str(Path(p).resolve()), Path(p + ".bin").stat().st_size, Path(p + ".bin").stat().st_mtime_ns] for p in files]
+            metrics[name] = {"difficulty_type": m.difficulty_type, "clustering_type": m.clustering_type, "files": stats}
+        return {
+            "num_samples": self.one_epoch_total_samples,
+            "difficulties": dict(diffs),
+            "previous_clusters": [c.name for c in self.data_clusters],
+            "metrics": metrics,
+        }
+
+    def _load_or_compute_cluster(self, diffs: Mapping[str, int]) -> np.ndarray:
+        if self._cluster_dir is None:
+            return self._compute_cluster(diffs)
+        prefix = self._cluster_dir / self._cluster_name(diffs)
+        meta_path = prefix.with_name(prefix.name + ".json")
+        fingerprint = self._fingerprint(diffs)
+        try:
+            if json.loads(meta_path.read_text()) == fingerprint:
+                members = np.asarray(IndexFile(prefix)[0], dtype=np.int64)
+                if not self._assigned[members].any():
+                    return members
+        except (OSError, ValueError):
+            pass
+        members = self._compute_cluster(diffs)
+        if self.data_parallel_rank == 0:  # every rank computes the same; one per DP group writes (atomically)
+            write_index_file(prefix, members, [members.size], self.index_dtype)
+            tmp = meta_path.with_name(meta_path.name + f".{id(self)}.tmp")
+            tmp.write_text(json.dumps(fingerprint))
+            tmp.replace(meta_path)
+        return members
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Mapping[str, CustomDifficultyFn]) -> None:
+        """Installs ``custom`` schedule functions by metric name (before the first batch is drawn).
+
+        Raises:
+            ValueError: For a metric that is not configured.
+        """
+        for name, fn in schedule_func_dict.items():
+            if name not in self.curriculum_schedulers:
+                raise ValueError(
+                    f"DeepSpeedDataSampler.set_custom_curriculum_learning_schedule: unknown metric {name!r}; "
+                    f"configured metrics: {list(self.curriculum_schedulers)}."
+                )
+            self.curriculum_schedulers[name].set_custom_get_difficulty(fn)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # state
+
+    def _capture_durable(self) -> _Durable:
+        return _Durable(
+            curriculum_step=self.curriculum_step,
+            current_difficulties=dict(self.current_difficulties),
+            cluster_names=[c.name for c in self.data_clusters],
+            cluster_difficulties=[dict(c.difficulties) for c in self.data_clusters],
+            cluster_pass=[c.pass_no for c in self.data_clusters],
+            cluster_position=[c.position for c in self.data_clusters],
+            rng_state=self.np_rng.bit_generator.state,
+            scheduler_states={n: s.state_dict() for n, s in self.curriculum_schedulers.items()},
+        )
+
+    def _mark(self) -> _Mark:
+        return _Mark(
+            durable=self._durable,
+            batch=self._batch,
+            batch_pos=self._batch_pos,
+            consumed_samples=self.consumed_samples,
+            micro_batches=self.micro_batches,
+            epoch=self.epoch,
+            epoch_position=self.epoch_position,
+        )
+
+    def state_dict(self, micro_batches: int | None = None) -> dict[str, Any]:
+        """The sampler's state, after its latest yield or after its ``micro_batches``-th one.
+
+        Args:
+            micro_batches: Return the state as it was right after this many micro-batches had been yielded (counted
+                over the sampler's life, see `micro_batches`); None: now. See [Note: state and resume].
+
+        Returns:
+            A dict of plain Python values (picklable; goes into the Lightning checkpoint).
+
+        Raises:
+            ValueError: If ``micro_batches`` is in the future or older than the remembered history.
+        """
+        mark = self._mark() if micro_batches is None else self._find_mark(micro_batches)
+        d = mark.durable
+        return {
+            "format": _STATE_FORMAT,
+            "shape": self._shape(),
+            "batch": mark.batch[mark.batch_pos :].tolist(),
+            "consumed_samples": mark.consumed_samples,
+            "micro_batches": mark.micro_batches,
+            "epoch": mark.epoch,
+            "epoch_position": mark.epoch_position,
+            "curriculum_step": d.curriculum_step,
+            "current_difficulties": dict(d.current_difficulties),
+            "data_cluster_paths": list(d.cluster_names),
+            "data_cluster_difficulties": [dict(x) for x in d.cluster_difficulties],
+            "data_cluster_pass": list(d.cluster_pass),
+            "data_cluster_current_position": list(d.cluster_position),
+            "np_rng_state": _plain(d.rng_state),
+            "scheduler_states": {n: dict(s) for n, s in d.scheduler_states.items()},
+        }
+
+    def _find_mark(self, k: int) -> _Mark:
+        for mark in reversed(self._history):
+            if mark.micro_batches == k:
+                return mark
+        have = (self._history[0].micro_batches, self._history[-1].micro_batches)
+        raise ValueError(
+            f"DeepSpeedDataSampler.state_dict: no state after micro-batch {k}; the sampler remembers micro-batches "
+            f"{have[0]}..{have[1]}."
+        )
+
+    def _shape(self) -> dict[str, int]:
+        return {
+            "one_epoch_total_samples": self.one_epoch_total_samples,
+            "micro_batch_size": self.micro_batch_size,
+            "data_parallel_size": self.data_parallel_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "seed": self.config.seed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores `state_dict` output; iteration then continues the identical sequence.
+
+        Raises:
+            ValueError: If the state is not from a compatible sampler (different dataset length, batch shape or
+                seed: the message names what differs), or a cluster cannot be rebuilt.
+        """
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                f"DeepSpeedDataSampler.load_state_dict: unsupported state format {state.get('format')!r} (expected "
+                f"{_STATE_FORMAT!r}). DeepSpeed's own sampler state cannot be resumed exactly: it lacks the sampler's "
+                "generator state (DeepSpeed issue #8405)."
+            )
+        diff = {k: (v, state["shape"].get(k)) for k, v in self._shape().items() if state["shape"].get(k) != v}
+        if diff:
+            raise ValueError(
+                "DeepSpeedDataSampler.load_state_dict: the checkpoint was written by a sampler with different "
+                f"settings {{name: (now, in checkpoint)}}: {diff}. Resume with the same dataset, micro-batch size, "
+                "data-parallel size, gradient accumulation and seed."
+            )
+        self._reset_state()
+        for name, diffs in zip(state["data_cluster_paths"], state["data_cluster_difficulties"]):
+            members = self._load_or_compute_cluster(diffs)
+            if self._cluster_name(diffs) != name or members.size == 0:
+                raise ValueError(f"DeepSpeedDataSampler.load_state_dict: cannot rebuild cluster {name!r} from {diffs}.")
+            self._add_cluster(name, dict(diffs), members)
+        for c, p, pos in zip(self.data_clusters, state["data_cluster_pass"], state["data_cluster_current_position"]):
+            c.pass_no, c.position = int(p), int(pos)
+        self.np_rng.bit_generator.state = state["np_rng_state"]
+        for name, s in state["scheduler_states"].items():
+            self.curriculum_schedulers[name].load_state_dict(s)
+        self.curriculum_step = int(state["curriculum_step"])
+        self.current_difficulties = dict(state["current_difficulties"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.micro_batches = int(state["micro_batches"])
+        self.epoch, self.epoch_position = int(state["epoch"]), int(state["epoch_position"])
+        self._batch, self._batch_pos = np.asarray(state["batch"], dtype=np.int64), 0
+        self._durable = self._capture_durable()
+        self._history.clear()
+        self._history.append(self._mark())
+
+    def rewind(self, micro_batches: int) -> None:
+        """Returns the sampler to its state right after its ``micro_batches``-th yield (within the remembered
+        history), so that a loader re-created after prefetching continues at the first micro-batch not consumed.
+
+        Raises:
+            ValueError: If that yield is not remembered (see `state_dict`).
+        """
+        mark = self._find_mark(micro_batches)
+        d = mark.durable
+        for c in self.data_clusters[len(d.cluster_names) :]:
+            self._assigned[c.members] = False
+        del self.data_clusters[len(d.cluster_names) :]
+        for c, p, pos in zip(self.data_clusters, d.cluster_pass, d.cluster_position):
+            c.pass_no, c.position = p, pos
+        self.np_rng.bit_generator.state = d.rng_state
+        for name, s in d.scheduler_states.items():
+            self.curriculum_schedulers[name].load_state_dict(s)
+        self.curriculum_step, self.current_difficulties = d.curriculum_step, dict(d.current_difficulties)
+        self.consumed_samples, self.micro_batches = mark.consumed_samples, mark.micro_batches
+        self.epoch, self.epoch_position = mark.epoch, mark.epoch_position
+        self._batch, self._batch_pos, self._durable = mark.batch, mark.batch_pos, d
+        while self._history[-1].micro_batches != micro_batches:
+            self._history.pop()
+
+    def difficulties_at(self, micro_batches: int) -> dict[str, int]:
+        """The difficulties in force for the ``micro_batches``-th micro-batch (1-based; see `state_dict`)."""
+        return dict(self._find_mark(micro_batches).durable.current_difficulties)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def _consumed_samples_at(sampler: DeepSpeedDataSampler, micro_batches: int) -> int:
+    """Global samples consumed right after the ``micro_batches``-th micro-batch (see `DeepSpeedDataSampler.state_dict`)."""
+    return sampler._find_mark(micro_batches).consumed_samples
