@@ -419,6 +419,14 @@ class TextCorpusDataModule(LightningDataModule):
         dataset = self._require(self.val_dataset, "val_dataloader")
         return self._loader(dataset, shuffle=False, drop_last=False, generator=None)
 
+    def test_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        """The held-out files again (the corpus has no separate test split): ``zlightning test`` evaluates on them."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        """Held-out batches ``(x, y)`` for ``zlightning predict`` (next-byte predictions)."""
+        return self.val_dataloader()
+
     def _loader(
         self, dataset: PackedByteDataset, shuffle: bool, drop_last: bool, generator: torch.Generator | None
     ) -> DataLoader[tuple[Tensor, Tensor]]:

@@ -166,6 +166,18 @@ class GPTLightningModule(LightningModule):
         return loss
 
     @override
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("test/loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Greedy next-byte predictions for every position of ``x``."""
+        return self.model(batch[0])[0].argmax(dim=-1)
+
+    @override
     def configure_optimizers(self) -> Any:
         """AdamW with weight decay on matrices/embeddings only, and a per-step linear warmup (`LinearWarmup`)."""
         hp = self.hparams

@@ -151,3 +151,12 @@ def test_validate_one_process(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "val/loss" in result.stdout
     assert _events_files(tmp_path)
+
+
+@pytest.mark.slow
+def test_test_and_predict_two_processes(tmp_path: Path) -> None:
+    result = _run_cli(["test", "--config", CONFIG, *TINY, "--trainer.limit_test_batches=2"], tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "test/loss" in result.stdout
+    result = _run_cli(["predict", "--config", CONFIG, *TINY, "--trainer.limit_predict_batches=2"], tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
