@@ -44,8 +44,9 @@ def _zero_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, clip: f
         ZeroConfig(prefetch_bucket_size=0, unit_modules=("Block", "MLP"), reduce_bucket_size=10),
         ZeroConfig(stage=2),
         ZeroConfig(stage=1),
+        ZeroConfig(reshard_after_forward=False, param_persistence_threshold=0),
     ],
-    ids=["default", "sync-no-persist", "prefetch-one-no-persist", "nested-units", "stage2", "stage1"],
+    ids=["default", "sync-no-persist", "prefetch-one-no-persist", "nested-units", "stage2", "stage1", "keep-for-backward"],
 )
 def test_parity_with_single_process(cfg: ZeroConfig) -> None:
     world, accumulate, clip, steps = 2, 2, 0.5, 3

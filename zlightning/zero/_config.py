@@ -82,6 +82,11 @@ class ZeroConfig:
     """Run all-gathers (prefetch) and reduce-scatters asynchronously, overlapping compute (``overlap_comm``). When
     False every collective completes before compute continues."""
 
+    reshard_after_forward: bool = True
+    """Release each unit's gathered parameters after its forward (FSDP2's ``reshard_after_forward``). False keeps
+    them until the unit's backward: one all-gather per unit per step instead of two, for up to a full unsharded
+    model of memory during the step. Gradients and optimizer state stay sharded either way."""
+
     unit_modules: tuple[str, ...] = ()
     """Class names (``"Block"``) or qualified names (``"pkg.mod.Block"``) of modules that become sharding units.
     Empty: automatic (each module in a ``ModuleList``/``Sequential`` with at least one sibling of the same class,
@@ -107,6 +112,8 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ZeroConfig.{name} must be an int > 0 (elements), got {value!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"ZeroConfig.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
         if not isinstance(self.overlap_comm, bool):
             raise ValueError(f"ZeroConfig.overlap_comm must be a bool, got {self.overlap_comm!r}")
         if isinstance(self.unit_modules, str) or not all(isinstance(n, str) and n for n in self.unit_modules):

@@ -299,6 +299,8 @@ class ZeroState:
                 self._prefetch(self._last_order[pos + 1 :])
 
     def unit_post_forward(self, unit: ZeroUnit) -> None:
+        if torch.is_grad_enabled() and not self.config.reshard_after_forward:
+            return  # kept for backward: see ZeroConfig.reshard_after_forward
         unit.reshard()
 
     def unit_pre_backward(self, unit: ZeroUnit) -> None:
