@@ -30,3 +30,36 @@ __all__ += [
     "difficulty_at",
     "write_metric_index",
 ]
+
+# Hybrid context parallel (issue 8): the balanced DP×CP scheduler and the loader wrapper that reroutes sub-samples.
+from .hybrid_cp_schedule import (
+    CostFn,
+    ScheduleStats,
+    cp_size_needed,
+    quadratic_cost,
+    schedule_hybrid_cp,
+    schedule_stats,
+)
+from .hybrid_cp_wrapper import (
+    HybridCPBatch,
+    HybridCPConfig,
+    HybridCPDataLoaderWrapper,
+    HybridCPSubSample,
+    unpack_packed_batch,
+    zigzag_shard,
+)
+
+__all__ += [
+    "CostFn",
+    "HybridCPBatch",
+    "HybridCPConfig",
+    "HybridCPDataLoaderWrapper",
+    "HybridCPSubSample",
+    "ScheduleStats",
+    "cp_size_needed",
+    "quadratic_cost",
+    "schedule_hybrid_cp",
+    "schedule_stats",
+    "unpack_packed_batch",
+    "zigzag_shard",
+]
