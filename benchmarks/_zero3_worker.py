@@ -99,8 +99,15 @@ def run_lightning(config: BenchConfig, env: RankEnv, out_dir: Path, strategy: st
     from lightning.pytorch import Callback, LightningModule, Trainer
     from torch.utils.data import DataLoader, Dataset
 
-    if strategy == "zstack_zero3":
+    zstack = strategy.startswith("zstack_zero3")
+    trainer_strategy: Any = strategy
+    if zstack:
         import zlightning  # noqa: F401  (registers the strategy)
+        from zlightning.strategies import ZStackZero3Strategy
+        from zlightning.zero import ZeroConfig
+
+        if strategy == "zstack_zero3_keep":  # one all-gather per unit per step (reshard_after_forward=False)
+            trainer_strategy = ZStackZero3Strategy(ZeroConfig(reshard_after_forward=False))
 
     class GPTModule(LightningModule):
         """The benchmark GPT: ``training_step`` returns the loss, AdamW over all parameters."""
@@ -149,7 +156,7 @@ def run_lightning(config: BenchConfig, env: RankEnv, out_dir: Path, strategy: st
                     in_fit_errors.append(f"{type(err).__name__}: {err}")
 
     trainer = Trainer(
-        strategy=strategy,
+        strategy=trainer_strategy,
         accelerator="cpu",
         devices=env.world_size,
         precision="32-true",
@@ -168,7 +175,7 @@ def run_lightning(config: BenchConfig, env: RankEnv, out_dir: Path, strategy: st
     torch.set_num_threads(config.threads)  # Trainer construction must not have changed it; enforce anyway
     rss_before = current_rss_kib()
     trainer.fit(GPTModule(), DataLoader(Batches(), batch_size=None, shuffle=False, num_workers=0))
-    if strategy == "zstack_zero3" and not memory:
+    if zstack and not memory:
         try:
             memory = zstack_memory(trainer)
         except Exception as err:
@@ -204,6 +211,7 @@ VARIANTS: dict[str, Callable[[BenchConfig, RankEnv, Path], dict[str, Any]]] = {
     "ddp": lambda config, env, out_dir: run_lightning(config, env, out_dir, "ddp"),
     "fsdp2": run_fsdp2,
     "zstack_zero3": lambda config, env, out_dir: run_lightning(config, env, out_dir, "zstack_zero3"),
+    "zstack_zero3_keep": lambda config, env, out_dir: run_lightning(config, env, out_dir, "zstack_zero3_keep"),
 }
 
 
