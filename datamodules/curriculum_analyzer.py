@@ -249,10 +249,12 @@ class DataAnalyzer:
         subset = Subset(self.dataset, range(start, end))
         return DataLoader(subset, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn, drop_last=False)
 
-    def compute_token_counts(self) -> np.ndarray:
-        """Token histogram of the whole dataset (the first pass of ``vocab_rarity``), as int64."""
+    def compute_token_counts(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Token histogram of samples ``[start, end)`` (default: the whole dataset; the first pass of
+        ``vocab_rarity``), as int64."""
         counts = np.zeros(0, dtype=np.int64)
-        for batch in self._loader(0, self.num_samples):
+        end = self.num_samples if end is None else end
+        for batch in self._loader(start, end) if end > start else []:
             ids = _tokens(batch).reshape(-1)
             if self.pad_token_id is not None:
                 ids = ids[ids != self.pad_token_id]
@@ -286,6 +288,21 @@ class DataAnalyzer:
         bar.close()
 
     def _map_range(self, thread: int, start: int, end: int, bar: Any) -> None:
+        ids, values, sums = self._map_arrays(start, end, bar)
+        for spec in self.metrics:
+            d = self._chunk_dir(spec.name, self.worker_id, thread)
+            d.mkdir(parents=True, exist_ok=True)
+            if spec.type == "single_value_per_sample":
+                np.save(d / "values.npy", values[spec.name])
+                np.save(d / "sample_ids.npy", ids)
+            else:
+                total = sums[spec.name]
+                np.save(d / "metric_value.npy", total if total is not None else np.zeros(0, spec.dtype))
+
+    def _map_arrays(
+        self, start: int, end: int, bar: Any
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray | None]]:
+        """Metrics of samples ``[start, end)``: (sample ids, single values by metric, accumulated sums by metric)."""
         ids: list[np.ndarray] = []
         values: dict[str, list[np.ndarray]] = {m.name: [] for m in self.metrics}
         sums: dict[str, np.ndarray | None] = {m.name: None for m in self.metrics}
@@ -309,16 +326,12 @@ class DataAnalyzer:
             pos += expected
             with _BAR_LOCK:
                 bar.update(1)
-        for spec in self.metrics:
-            d = self._chunk_dir(spec.name, self.worker_id, thread)
-            d.mkdir(parents=True, exist_ok=True)
-            if spec.type == "single_value_per_sample":
-                vals = np.concatenate(values[spec.name]) if values[spec.name] else np.zeros(0, spec.dtype)
-                np.save(d / "values.npy", vals)
-                np.save(d / "sample_ids.npy", np.concatenate(ids) if ids else np.zeros(0, np.int64))
-            else:
-                total = sums[spec.name]
-                np.save(d / "metric_value.npy", total if total is not None else np.zeros(0, spec.dtype))
+        merged = {
+            spec.name: np.concatenate(values[spec.name]) if values[spec.name] else np.zeros(0, spec.dtype)
+            for spec in self.metrics
+            if spec.type == "single_value_per_sample"
+        }
+        return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), merged, sums
 
     # ---------------------------------------------------------------------------------------------------------------
     # reduce
@@ -352,8 +365,7 @@ class DataAnalyzer:
             else:
                 parts = [p for p in self._chunks(spec.name, "metric_value.npy") if p.size]
                 total = np.sum(np.stack(_pad_same(parts)), axis=0) if parts else np.zeros(0, np.int64)
-                dt = find_fit_int_dtype(int(total.min(initial=0)), int(total.max(initial=0)))
-                write_index_file(self.save_path / spec.name / f"{spec.name}_metric_value", total, [total.size], dt)
+                write_accumulated_metric(self.save_path / spec.name, spec.name, total)
             if not self.keep_chunks:
                 for w in range(self.num_workers):
                     for t in range(self.num_threads):
@@ -424,6 +436,13 @@ def _as_int_array(spec: MetricSpec, out: Any) -> np.ndarray:
             "return that dtype (e.g. tensor.to(torch.int64)) or declare the one you return in metric_dtypes."
         )
     return arr
+
+
+def write_accumulated_metric(folder: str | Path, metric: str, total: np.ndarray) -> None:
+    """Writes ``folder/{metric}_metric_value``: one row, the accumulated values (flattened), tightest dtype."""
+    total = np.asarray(total).reshape(-1)
+    dt = find_fit_int_dtype(int(total.min(initial=0)), int(total.max(initial=0)))
+    write_index_file(Path(folder) / f"{metric}_metric_value", total, [total.size], dt)
 
 
 def write_metric_index(

@@ -6,6 +6,7 @@ Examples::
     zlightning analyze --save-path analysis --dataset mypkg.data:build_train --metric-fn n_lines=mypkg.m:lines
     zlightning analyze ... --num-workers 4 --worker-id 2 --map-only   # on each of 4 machines, then:
     zlightning analyze ... --num-workers 4 --reduce-only              # once, after every map finished
+    torchrun --nproc-per-node 4 -m zlightning.cli analyze --save-path analysis --distributed   # no shared disk
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--map-only", action="store_true", help="run this worker's map only")
     mode.add_argument("--reduce-only", action="store_true", help="run the reduce only")
+    mode.add_argument("--distributed", action="store_true",
+                      help="DistributedDataAnalyzer over the torch.distributed ranks (torchrun; gloo unless already "
+                           "initialised); rank 0 writes the files")
     return p
 
 
 def _dataset(a: argparse.Namespace) -> Any:
     if a.dataset is not None:
         obj = _resolve(a.dataset, "--dataset")
-        return obj() if callable(obj) and not hasattr(obj, "__getitem__") else obj
+        return obj() if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "__getitem__")) else obj
     from .text import TextCorpusDataModule
 
     dm = TextCorpusDataModule(data_dir=a.data_dir, pattern=a.pattern, seq_len=a.seq_len, max_bytes=a.max_bytes)
@@ -74,6 +78,9 @@ def analyze_main(argv: list[str]) -> None:
         if not sep:
             raise SystemExit(f"zlightning analyze: --metric-fn must look like NAME=module:fn, got {item!r}.")
         specs.append(MetricSpec(name=name, fn=_resolve(target, "--metric-fn")))
+    if a.distributed:
+        _analyze_distributed(a, specs)
+        return
     analyzer = DataAnalyzer(
         _dataset(a), save_path=a.save_path, metric_names=a.metrics, metrics=specs, batch_size=a.batch_size,
         num_workers=a.num_workers, worker_id=a.worker_id, num_threads=a.num_threads, pad_token_id=a.pad_token_id,
@@ -85,3 +92,22 @@ def analyze_main(argv: list[str]) -> None:
         analyzer.run_reduce()
         names = [m.name for m in analyzer.metrics]
         print(f"wrote metric index files of {names} under {a.save_path}")
+
+
+def _analyze_distributed(a: argparse.Namespace, specs: list[Any]) -> None:
+    import torch.distributed as dist
+
+    from .curriculum_analyzer_dist import DistributedDataAnalyzer
+
+    if a.num_workers != 1 or a.worker_id != 0:
+        raise SystemExit("zlightning analyze: --distributed takes its workers from torch.distributed; drop "
+                         "--num-workers/--worker-id.")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    analyzer = DistributedDataAnalyzer(
+        _dataset(a), save_path=a.save_path, metric_names=a.metrics, metrics=specs, batch_size=a.batch_size,
+        num_threads=a.num_threads, pad_token_id=a.pad_token_id, progress=not a.no_progress,
+    )
+    analyzer.run_map_reduce()
+    if dist.get_rank() == 0:
+        print(f"wrote metric index files of {[m.name for m in analyzer.metrics]} under {a.save_path}")

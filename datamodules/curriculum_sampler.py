@@ -14,7 +14,8 @@ and their union is the currently eligible set (spec 4.1 #5). Eligibility per met
 constraint" (DeepSpeed treats one metric's empty set as no constraint and breaks the bound). A cluster is named
 ``cluster_{metric}{difficulty}...`` and, with ``data_cluster_path``, persisted there (sorted ids, index-file
 format) with a ``.json`` fingerprint of what produced it; a later sampler (a resume, another rank, the next run)
-re-uses a file whose fingerprint matches and recomputes one that does not (no stale-file hazard).
+re-uses a file whose fingerprint matches and recomputes one that does not (no stale-file hazard). A file without a
+fingerprint (a DeepSpeed run's cluster) is left untouched and the cluster is kept in memory.
 
 [Note: drawing]
 Each global batch: ``choice(num_clusters, G, p = sizes / sum(sizes))`` on the sampler's own generator gives how
@@ -39,6 +40,8 @@ fresh sampler continues the identical sequence (DeepSpeed saves the global numpy
 Loaders prefetch: by the time a training step runs, the sampler has already yielded later micro-batches. So the
 sampler remembers the state after each of its recent yields, and ``state_dict(micro_batches=k)`` returns the state
 right after the ``k``-th micro-batch; `CurriculumDataModule` passes the number the Trainer actually consumed.
+DeepSpeed's own sampler state (its seven keys, and its cluster files) is imported by `load_state_dict` and exported
+by `deepspeed_state_dict`: see [Note: DeepSpeed checkpoints] in ``curriculum_ds_state.py``.
 
 [Note: counting and termination]
 ``consumed_samples`` counts global samples (``micro_batch_size * dp_size`` per micro-batch) *including* the one just
@@ -61,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from .curriculum_config import CurriculumMetricConfig, DataEfficiencyConfig
+from .curriculum_ds_state import DEEPSPEED_STATE_KEYS, deepspeed_state, is_deepspeed_state, load_deepspeed_state
 from .curriculum_index import IndexFile, find_fit_int_dtype, write_index_file
 from .curriculum_schedule import CurriculumScheduler, CustomDifficultyFn
 
@@ -79,6 +83,7 @@ class _Cluster:
     members: np.ndarray  # int64 [size], sorted sample ids
     pass_no: int = 0
     position: int = 0
+    first_pass: np.ndarray | None = None  # int64 [size]: order of pass 0 imported from DeepSpeed, else None
     _perm: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
 
@@ -368,9 +373,17 @@ class DeepSpeedDataSampler:
     def _permutation(self, cluster_index: int) -> np.ndarray:
         c = self.data_clusters[cluster_index]
         if c._perm is None or c._perm[0] != c.pass_no:
-            rng = np.random.default_rng([self.config.seed, cluster_index, c.pass_no])
-            c._perm = (c.pass_no, rng.permutation(c.members))
+            c._perm = (c.pass_no, self._pass_order(cluster_index, c.pass_no))
         return c._perm[1]
+
+    def _pass_order(self, cluster_index: int, pass_no: int) -> np.ndarray:
+        """The order of pass ``pass_no`` of a cluster: imported (pass 0 only) or a pure function of the seed."""
+        c = self.data_clusters[cluster_index]
+        if pass_no == 0 and c.first_pass is not None:
+            return c.first_pass
+        if c._perm is not None and c._perm[0] == pass_no:
+            return c._perm[1]
+        return np.random.default_rng([self.config.seed, cluster_index, pass_no]).permutation(c.members)
 
     # ---------------------------------------------------------------------------------------------------------------
     # clusters
@@ -428,15 +441,37 @@ class DeepSpeedDataSampler:
             return
         self._add_cluster(self._cluster_name(diffs), diffs, members)
 
-    def _add_cluster(self, name: str, diffs: dict[str, int], members: np.ndarray) -> None:
+    def _add_cluster(self, name: str, diffs: dict[str, int], members: np.ndarray) -> _Cluster:
         self._assigned[members] = True
         self.data_clusters.append(_Cluster(name=name, difficulties=diffs, members=members))
+        return self.data_clusters[-1]
 
     def _compute_cluster(self, diffs: Mapping[str, int]) -> np.ndarray:
+        """Sorted ids eligible at ``diffs`` and in no existing cluster. See [Note: clusters]."""
+        metrics = self.config.curriculum.curriculum_metrics
+        restricting = [n for n, m in metrics.items() if m.clustering_type == "schedule_based"]
+        if len(restricting) != 1:
+            return self._compute_cluster_generic(diffs)
+        # One restricting metric: its eligible sets are growing prefixes of its index order, so the existing
+        # clusters are exactly the prefix up to their largest difficulty and the new cluster is the next slice
+        # (DeepSpeed's ``prev < metric <= cur`` increment), without a pass over the whole dataset.
+        name = restricting[0]
+        lo = max((self._prefix(name, c.difficulties[name]) for c in self.data_clusters), default=0)
+        hi = self._prefix(name, diffs[name])
+        return np.sort(self._ordered(name, lo, hi)) if hi > lo else np.zeros(0, dtype=np.int64)
+
+    def _compute_cluster_generic(self, diffs: Mapping[str, int]) -> np.ndarray:
         mask = ~self._assigned
         for name, d in diffs.items():
             mask &= self._eligible(name, d)
         return np.flatnonzero(mask).astype(np.int64)
+
+    def _prefix(self, name: str, difficulty: int) -> int:
+        """How many samples, in the metric's index order, are eligible at ``difficulty`` (a prefix)."""
+        index, m = self._metric_index(name), self.config.curriculum.curriculum_metrics[name]
+        if m.difficulty_type == "value":
+            return index.prefix_upto_value(difficulty)
+        return index.prefix_upto_percentile(difficulty, m.schedule.max_difficulty)
 
     def _fingerprint(self, diffs: Mapping[str, int]) -> dict[str, Any]:
         metrics = {}
@@ -465,7 +500,9 @@ class DeepSpeedDataSampler:
         except (OSError, ValueError):
             pass
         members = self._compute_cluster(diffs)
-        if self.data_parallel_rank == 0:  # every rank computes the same; one per DP group writes (atomically)
+        # A cluster file without our fingerprint is someone else's (a DeepSpeed run's): never used, never overwritten.
+        foreign = not meta_path.exists() and prefix.with_name(prefix.name + ".bin").exists()
+        if self.data_parallel_rank == 0 and not foreign:  # every rank computes the same; one per DP group writes
             write_index_file(prefix, members, [members.size], self.index_dtype)
             tmp = meta_path.with_name(meta_path.name + f".{id(self)}.tmp")
             tmp.write_text(json.dumps(fingerprint))
@@ -543,7 +580,27 @@ class DeepSpeedDataSampler:
             "data_cluster_current_position": list(d.cluster_position),
             "np_rng_state": _plain(d.rng_state),
             "scheduler_states": {n: dict(s) for n, s in d.scheduler_states.items()},
+            "data_cluster_imported_order": {
+                c.name: c.first_pass.tolist()
+                for c, p in zip(self.data_clusters, d.cluster_pass)
+                if c.first_pass is not None and p == 0
+            },
         }
+
+    def deepspeed_state_dict(self, cluster_dir: str | Path, micro_batches: int | None = None) -> dict[str, Any]:
+        """The state in DeepSpeed's ``state_dict`` layout, with DeepSpeed cluster files written to ``cluster_dir``.
+
+        A DeepSpeed sampler (``data_cluster_path = cluster_dir``) or this one can resume from it. See
+        [Note: DeepSpeed checkpoints] in ``curriculum_ds_state.py``.
+
+        Args:
+            cluster_dir: Folder for the cluster files (not this sampler's ``data_cluster_path``).
+            micro_batches: As in `state_dict`.
+
+        Raises:
+            ValueError: Without curriculum, or if ``cluster_dir`` is this sampler's own cluster folder.
+        """
+        return deepspeed_state(self, cluster_dir, micro_batches)
 
     def _find_mark(self, k: int) -> _Mark:
         for mark in reversed(self._history):
@@ -565,17 +622,22 @@ class DeepSpeedDataSampler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores `state_dict` output; iteration then continues the identical sequence.
+        """Restores `state_dict` output (iteration then continues the identical sequence), or DeepSpeed's state.
+
+        A state with DeepSpeed's keys and no ``format`` (``checkpoint["data_sampler"]`` of a DeepSpeed checkpoint)
+        is imported: see [Note: DeepSpeed checkpoints] in ``curriculum_ds_state.py``.
 
         Raises:
             ValueError: If the state is not from a compatible sampler (different dataset length, batch shape or
                 seed: the message names what differs), or a cluster cannot be rebuilt.
         """
+        if is_deepspeed_state(state):
+            load_deepspeed_state(self, state)
+            return
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(
                 f"DeepSpeedDataSampler.load_state_dict: unsupported state format {state.get('format')!r} (expected "
-                f"{_STATE_FORMAT!r}). DeepSpeed's own sampler state cannot be resumed exactly: it lacks the sampler's "
-                "generator state (DeepSpeed issue #8405)."
+                f"{_STATE_FORMAT!r}, or DeepSpeed's sampler state with keys {list(DEEPSPEED_STATE_KEYS)})."
             )
         diff = {k: (v, state["shape"].get(k)) for k, v in self._shape().items() if state["shape"].get(k) != v}
         if diff:
@@ -592,6 +654,15 @@ class DeepSpeedDataSampler:
             self._add_cluster(name, dict(diffs), members)
         for c, p, pos in zip(self.data_clusters, state["data_cluster_pass"], state["data_cluster_current_position"]):
             c.pass_no, c.position = int(p), int(pos)
+        for c in self.data_clusters:
+            order = state.get("data_cluster_imported_order", {}).get(c.name)
+            if order is not None:
+                c.first_pass = np.asarray(order, dtype=np.int64)
+                if not np.array_equal(np.sort(c.first_pass), c.members):
+                    raise ValueError(
+                        f"DeepSpeedDataSampler.load_state_dict: the imported order of {c.name!r} is not a permutation "
+                        "of its members; the checkpoint does not belong to these index files."
+                    )
         self.np_rng.bit_generator.state = state["np_rng_state"]
         for name, s in state["scheduler_states"].items():
             self.curriculum_schedulers[name].load_state_dict(s)
@@ -601,6 +672,10 @@ class DeepSpeedDataSampler:
         self.micro_batches = int(state["micro_batches"])
         self.epoch, self.epoch_position = int(state["epoch"]), int(state["epoch_position"])
         self._batch, self._batch_pos = np.asarray(state["batch"], dtype=np.int64), 0
+        self._restart_history()
+
+    def _restart_history(self) -> None:
+        """Makes the current state the only remembered one (after a load)."""
         self._durable = self._capture_durable()
         self._history.clear()
         self._history.append(self._mark())

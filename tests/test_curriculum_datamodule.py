@@ -125,14 +125,21 @@ def test_exact_resume_through_a_checkpoint(tmp_path: Path) -> None:
     assert first.seen + second.seen == ref.seen
 
 
-def _ddp_rank(rank: int, world: int, root: str) -> list[tuple[list[int], int]]:
+def _ddp_rank(rank: int, world: int, root: str) -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int]]]:
     model, trainer = _fit(root, 4, strategy="ddp", devices=world)
     assert trainer.datamodule.sampler.data_parallel_size == world  # type: ignore[union-attr]
-    return model.seen
+    # Resume on 2 ranks: stop after 1 optimizer step (Lightning has prefetched ahead), checkpoint, resume to 4.
+    first, trainer = _fit(root, 1, strategy="ddp", devices=world)
+    ckpt = f"{root}/ddp_mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    second, _ = _fit(root, 4, ckpt=ckpt, strategy="ddp", devices=world)
+    return model.seen, first.seen + second.seen
 
 
-def test_two_ranks_slice_one_global_batch(tmp_path: Path) -> None:
-    ranks = run_distributed(_ddp_rank, 2, str(tmp_path), init_process_group=False, timeout=240)
+def test_two_ranks_slice_one_global_batch_and_resume(tmp_path: Path) -> None:
+    runs = run_distributed(_ddp_rank, 2, str(tmp_path), init_process_group=False, timeout=240)
+    assert runs[0][1] == runs[0][0] and runs[1][1] == runs[1][0]  # resumed run == uninterrupted run, per rank
+    ranks = [runs[0][0], runs[1][0]]
     single = CurriculumDataModule(_config(str(tmp_path)), dataset=IdDataset(), micro_batch_size=4)
     ref = single.build_sampler(dp_rank=0, dp_size=2, grad_accum=2)
     assert len(ranks[0]) == len(ranks[1]) == 8
@@ -142,3 +149,28 @@ def test_two_ranks_slice_one_global_batch(tmp_path: Path) -> None:
             glob = ref.batch
         mb = glob[(k % 2) * 8 : (k % 2 + 1) * 8]
         assert ids0 + ids1 == mb and len0 == len1  # contiguous rank slices, same truncation (lockstep)
+
+
+def test_example_yaml_trains_through_the_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/gpt_curriculum.yaml, shrunk, through `zlightning fit`: truncated batches and the TensorBoard tag."""
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from zlightning.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", ["zlightning"])
+    base = "--data.init_args.base.init_args"
+    main(["fit", "--config", "examples/gpt_curriculum.yaml", "--trainer.accelerator=cpu", "--trainer.max_steps=4",
+          "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1",
+          "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
+          "--model.d_model=32", "--model.n_layer=1", "--model.n_head=2", "--model.seq_len=32",
+          f"{base}.seq_len=32", f"{base}.max_bytes=100000", f"{base}.batch_size=4"])
+    (log_dir,) = tmp_path.glob("gpt_curriculum/version_*")
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("curriculum/seqlen_truncate")] == [16.0] * 4  # min_difficulty first
+    assert [e.value for e in acc.Scalars("curriculum/consumed_samples")] == [4.0, 8.0, 12.0, 16.0]
