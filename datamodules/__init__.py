@@ -11,6 +11,7 @@ __all__ = ["BYTE_VOCAB_SIZE", "PackedByteDataset", "TextCorpusDataModule", "corp
 
 # Curriculum data pipeline (issue 4): DeepSpeed's data-efficiency curriculum, typed, resumable and DP-safe.
 from .curriculum_analyzer import DataAnalyzer, MetricSpec, write_metric_index
+from .curriculum_analyzer_dist import DistributedDataAnalyzer
 from .curriculum_config import CurriculumMetricConfig, DataEfficiencyConfig
 from .curriculum_index import IndexFile
 from .curriculum_module import CurriculumDataModule
@@ -25,6 +26,7 @@ __all__ += [
     "DataAnalyzer",
     "DataEfficiencyConfig",
     "DeepSpeedDataSampler",
+    "DistributedDataAnalyzer",
     "IndexFile",
     "MetricSpec",
     "difficulty_at",
@@ -62,4 +64,31 @@ __all__ += [
     "schedule_stats",
     "unpack_packed_batch",
     "zigzag_shard",
+]
+
+# Hybrid CP (issue 8): context-parallel attention for the example GPT, and the per-sub-sample training loop.
+from .hybrid_cp_attention import CPShard, HybridCPGroups, cp_attention, cp_causal_attention
+from .hybrid_cp_model import gpt_cp_logits, gpt_cp_loss, hybrid_cp_forward_backward
+
+__all__ += [
+    "CPShard",
+    "HybridCPGroups",
+    "cp_attention",
+    "cp_causal_attention",
+    "gpt_cp_logits",
+    "gpt_cp_loss",
+    "hybrid_cp_forward_backward",
+]
+
+# Hybrid CP (issue 8): shape-derived / measured cost models, and the DataModule option over the real corpus.
+from .hybrid_cp_cost import LinearQuadraticCost, TransformerShape, fit_cost, transformer_cost
+from .hybrid_cp_data import HybridCPTextDataModule, PackedDocumentDataset
+
+__all__ += [
+    "HybridCPTextDataModule",
+    "LinearQuadraticCost",
+    "PackedDocumentDataset",
+    "TransformerShape",
+    "fit_cost",
+    "transformer_cost",
 ]

@@ -123,6 +123,15 @@ class HybridCPBatch:
     def num_groups(self) -> int:
         return len(self.schedule)
 
+    def to(self, device: torch.device | str) -> HybridCPBatch:
+        """The same batch with every sub-sample tensor on ``device`` (what a Lightning module's
+        ``transfer_batch_to_device`` returns)."""
+        subs = [
+            HybridCPSubSample(s.gid, s.group, s.cp_size, s.block_start, {k: v.to(device) for k, v in s.data.items()})
+            for s in self.sub_samples
+        ]
+        return HybridCPBatch(subs, self.schedule, self.seqlens)
+
 
 def unpack_packed_batch(
     batch: PackedBatch, ignored_keys: Sequence[str] = ("cu_seqlens", "max_seqlen", "batch_idx")
@@ -251,7 +260,21 @@ class HybridCPDataLoaderWrapper:
         self._group = dp_cp_group
 
     def __iter__(self) -> HybridCPDataLoaderWrapper:
+        """Starts a pass over the wrapped iterable (a new epoch of a ``DataLoader``) at the first ``next``.
+
+        Lazily: frameworks call ``iter()`` just to check that a loader is iterable (Lightning does), and an eager
+        ``iter(source)`` would start (and, for a sampler with epochs, skip) an epoch there.
+        """
+        self._iterator = None
         return self
+
+    def __len__(self) -> int:
+        """Global batches per pass: the wrapped iterable's length.
+
+        Raises:
+            TypeError: If the wrapped iterable has no length.
+        """
+        return len(self._source)  # type: ignore[arg-type]
 
     def __next__(self) -> HybridCPBatch:
         if self._iterator is None:
@@ -295,13 +318,7 @@ class HybridCPDataLoaderWrapper:
         return n, me
 
     def _gather_seqlens(self, local: list[int], n: int, me: int) -> tuple[list[int], list[int]]:
-        """All-gathers lengths; returns (seqlens by gid, offsets by replica). See [Note: one byte-level all-to-all]
-Each sub-sample travels as one ``uint8`` tensor of shape ``[L, width]``: row ``t`` holds the bytes of token ``t`` of
-every key, keys in sorted order. One ``all_to_all_single`` per step therefore moves every key, any dtype survives
-bit-exactly (gloo has no all-to-all for bool, int16 and others), and the receiver views the bytes back as the
-original dtypes and per-token shapes, which all ranks agree on beforehand (a rank may hold no sub-sample itself).
-
-[Note: global ids]."""
+        """All-gathers lengths; returns (seqlens by gid, offsets by replica). See [Note: global ids]."""
         counts = torch.empty(n, dtype=torch.int64)
         dist.all_gather_single(counts, torch.tensor([len(local)], dtype=torch.int64), group=self._group)
         width = max(1, int(counts.max()))

@@ -1,0 +1,166 @@
+"""The DataModule option for hybrid CP: the real corpus's documents, packed, fed through `HybridCPDataLoaderWrapper`.
+
+`HybridCPTextDataModule` is `TextCorpusDataModule` (same corpus, split and packing) whose training loader yields
+`HybridCPBatch` objects: each DP replica reads its packed samples, every document piece inside a sample becomes one
+sub-sample (`PackedDocumentDataset`), and the wrapper balances and reroutes them over the DP×CP ranks. Validation,
+test and predict loaders are the parent's plain ``(x, y)`` batches (a model evaluates them with its ordinary forward).
+
+[Note: padding document pieces]
+The zigzag split cuts a sub-sample into ``2 * cp`` equal chunks, so every sub-sample length must be a multiple of
+``2 * cp`` for the largest CP size it may get (Megatron asks the dataset for multiples of ``2 * DP * CP``). Each
+document piece is therefore padded at its end to a multiple of ``pad_multiple`` (default ``2 * `` the DP×CP size,
+which covers every CP size the scheduler can choose) with token 0 and ``loss_mask`` 0: the padding sits after the
+real tokens, so causal attention never lets a real token see it, and it carries no loss. A packed sample thus holds
+``seq_len`` real tokens plus padding, and ``cu_seqlens`` marks the padded pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from typing_extensions import override
+
+from .hybrid_cp_wrapper import HybridCPConfig, HybridCPDataLoaderWrapper
+from .text import PackedByteDataset, TextCorpusDataModule
+
+__all__ = ["HybridCPTextDataModule", "PackedDocumentDataset"]
+
+
+class PackedDocumentDataset(Dataset[dict[str, Tensor]]):
+    """A `PackedByteDataset` whose samples are split at document boundaries into padded sub-samples.
+
+    Sample ``i`` is a dict with ``tokens`` and ``labels`` (int64, the parent's ``x`` and ``y`` pieces, padded),
+    ``loss_mask`` (float32, 1 on real tokens) and ``cu_seqlens`` (int64, the padded pieces' offsets). See
+    [Note: padding document pieces].
+
+    Args:
+        packed: The packed byte stream (e.g. ``TextCorpusDataModule.train_dataset``).
+        pad_multiple: Every piece is padded to a multiple of this (``>= 1``).
+
+    Raises:
+        ValueError: If ``pad_multiple < 1``.
+    """
+
+    packed: PackedByteDataset
+    pad_multiple: int
+
+    def __init__(self, packed: PackedByteDataset, pad_multiple: int) -> None:
+        if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
+            raise ValueError(f"PackedDocumentDataset: pad_multiple must be a positive int, got {pad_multiple!r}.")
+        self.packed = packed
+        self.pad_multiple = pad_multiple
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        x, y = self.packed[index]
+        cu = self.packed.cu_seqlens(index).tolist()
+        tokens, labels, mask, offsets = [], [], [], [0]
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            pad = -(hi - lo) % self.pad_multiple
+            tokens += [x[lo:hi], x.new_zeros(pad)]
+            labels += [y[lo:hi], y.new_zeros(pad)]
+            mask += [torch.ones(hi - lo), torch.zeros(pad)]
+            offsets.append(offsets[-1] + hi - lo + pad)
+        return {
+            "tokens": torch.cat(tokens),
+            "labels": torch.cat(labels),
+            "loss_mask": torch.cat(mask),
+            "cu_seqlens": torch.tensor(offsets, dtype=torch.int64),
+        }
+
+    def max_piece_length(self) -> int:
+        """The longest padded piece a sample can hold: ``seq_len`` rounded up to ``pad_multiple``."""
+        return math.ceil(self.packed.seq_len / self.pad_multiple) * self.pad_multiple
+
+
+def _as_list(samples: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """Collate: a batch is the list of packed samples (the wrapper unpacks each)."""
+    return samples
+
+
+class _EpochLoader:
+    """Iterates a ``DataLoader`` with a ``DistributedSampler``, advancing the sampler's epoch on every pass."""
+
+    def __init__(self, loader: DataLoader[Any], sampler: DistributedSampler[Any]) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class HybridCPTextDataModule(TextCorpusDataModule):
+    """`TextCorpusDataModule` whose training batches are hybrid-CP sub-samples of whole document pieces.
+
+    Each training step every rank of the DP×CP domain receives a `HybridCPBatch`: the sub-samples (document pieces
+    with ``tokens``, ``labels``, ``loss_mask``) it runs, each with its CP size and block. ``batch_size`` packed samples
+    of ``seq_len`` real tokens are read per data replica per step. Use it with a module that consumes `HybridCPBatch`
+    (``examples/gpt_hybrid_cp.py``); train with ``max_seqlen_per_rank`` below ``seq_len`` to get CP sizes above 1.
+
+    Args:
+        hybrid_cp: The wrapper's `HybridCPConfig` (``max_seqlen_per_rank``, ``cp_size`` ranks per data replica, cost).
+        pad_multiple: Pad every document piece to a multiple of this; None: ``2 * `` the DP×CP size. See
+            [Note: padding document pieces].
+        **kwargs: `TextCorpusDataModule`'s arguments (``data_dir``, ``pattern``, ``seq_len``, ``batch_size``, ...).
+
+    Raises:
+        TypeError: If ``hybrid_cp`` is not a `HybridCPConfig`.
+        ValueError: As `TextCorpusDataModule`, or for ``pad_multiple < 1``.
+    """
+
+    hybrid_cp: HybridCPConfig
+    pad_multiple: int | None
+
+    def __init__(self, *, hybrid_cp: HybridCPConfig, pad_multiple: int | None = None, **kwargs: Any) -> None:
+        if not isinstance(hybrid_cp, HybridCPConfig):
+            raise TypeError(
+                f"HybridCPTextDataModule: hybrid_cp must be a HybridCPConfig, got {type(hybrid_cp).__name__}."
+            )
+        if pad_multiple is not None and (isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int)
+                                         or pad_multiple < 1):
+            raise ValueError(f"HybridCPTextDataModule: pad_multiple must be None or a positive int, got "
+                             f"{pad_multiple!r}.")
+        super().__init__(**kwargs)
+        self.hybrid_cp = hybrid_cp
+        self.pad_multiple = pad_multiple
+
+    @override
+    def train_dataloader(self) -> HybridCPDataLoaderWrapper:  # type: ignore[override]
+        """The wrapper over this replica's shuffled packed samples; needs torch.distributed initialised.
+
+        Raises:
+            RuntimeError: If torch.distributed is not initialised or ``setup`` has not run.
+            ValueError: If the world size is not a multiple of ``hybrid_cp.cp_size``.
+        """
+        dataset = self._require(self.train_dataset, "train_dataloader")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "HybridCPTextDataModule.train_dataloader: torch.distributed is not initialised. Train through a "
+                "distributed strategy (Trainer(strategy='ddp' or 'zstack_zero3', devices=N)), or call "
+                "init_process_group yourself (a 1-rank gloo group works) before asking for the loader."
+            )
+        world, rank, cp = dist.get_world_size(), dist.get_rank(), self.hybrid_cp.cp_size
+        if world % cp:
+            raise ValueError(f"HybridCPTextDataModule: {world} ranks cannot be cut into data replicas of "
+                             f"hybrid_cp.cp_size={cp} ranks; choose a cp_size that divides the world size.")
+        docs = PackedDocumentDataset(dataset, self.pad_multiple or 2 * world)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            docs, num_replicas=world // cp, rank=rank // cp, shuffle=True, seed=self.config.seed, drop_last=True
+        )
+        loader = DataLoader(docs, batch_size=self.config.batch_size, sampler=sampler, drop_last=True,
+                            collate_fn=_as_list, num_workers=self.config.num_workers)
+        return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler), self.hybrid_cp)
