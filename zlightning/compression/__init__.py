@@ -1,1 +1,62 @@
-"""Reserved for a later issue (see the project issues)."""
+"""Model compression (Lightning-free core): quantization-aware training, pruning, layer reduction, cleaning, export.
+
+The maintained home of DeepSpeed's ``init_compression`` / ``redundancy_clean`` with its ``compression_training``
+config (DeepSpeed removed the library in 0.19.8). Typical use without Lightning::
+
+    model = init_compression(model, CompressionConfig(...))     # or DeepSpeed's dict / JSON path
+    optimizer = build_optimizer(model)                          # after: topk scores are parameters
+    for step, batch in enumerate(loader):
+        apply_schedule(model, step)                             # techniques start at their schedule_offset
+        ...
+    report = save_compressed(model, "model.zlc")                # cleans in place, int8/int4 codes + scales
+    model = load_compressed("model.zlc", build_model())
+
+The Lightning callbacks in ``zlightning.callbacks`` drive the same functions from ``trainer.global_step``.
+"""
+
+from zlightning.compression._api import apply_schedule, compression_stats, init_compression, redundancy_clean, reduce_layers
+from zlightning.compression._config import (
+    ActivationQuantGroup,
+    ActivationQuantizationConfig,
+    ChannelPruningConfig,
+    CompressionConfig,
+    HeadPruningConfig,
+    LayerReductionConfig,
+    PruneGroup,
+    RowPruningConfig,
+    SparsePruningConfig,
+    WeightQuantGroup,
+    WeightQuantizationConfig,
+)
+from zlightning.compression._deepspeed import UnknownCompressionKeysError
+from zlightning.compression._distill import distillation_loss
+from zlightning.compression._export import ExportReport, load_compressed, save_compressed
+from zlightning.compression._quantize import dequantize, fake_quantize, quantize, scheduled_bits
+
+__all__ = [
+    "ActivationQuantGroup",
+    "ActivationQuantizationConfig",
+    "ChannelPruningConfig",
+    "CompressionConfig",
+    "ExportReport",
+    "HeadPruningConfig",
+    "LayerReductionConfig",
+    "PruneGroup",
+    "RowPruningConfig",
+    "SparsePruningConfig",
+    "UnknownCompressionKeysError",
+    "WeightQuantGroup",
+    "WeightQuantizationConfig",
+    "apply_schedule",
+    "compression_stats",
+    "dequantize",
+    "distillation_loss",
+    "fake_quantize",
+    "init_compression",
+    "load_compressed",
+    "quantize",
+    "redundancy_clean",
+    "reduce_layers",
+    "save_compressed",
+    "scheduled_bits",
+]

@@ -1,0 +1,351 @@
+"""Entry points: `init_compression`, `apply_schedule`, `compression_stats`, `redundancy_clean`, `reduce_layers`.
+
+[Note: redundancy_clean keeps outputs]
+Cleaning runs in three phases so that the cleaned model computes exactly what the compressed model computed:
+1. *Bake*: every compressed layer's effective weight and bias (active masks, then quantization) is computed from the
+   original parameters before any is overwritten (tied weights are baked once; two layers baking a shared parameter
+   differently is an error).
+2. *Unwrap*: compressed twins are replaced by plain ``nn.Linear``/``nn.Conv2d``/``nn.Embedding`` holding the baked
+   data; techniques (masks, scores, quantizer state) leave the ``state_dict``.
+3. *Remove*: where ``related_modules`` were given, pruned rows / heads / channels are sliced out of the pruned layer
+   *and* the related layers' inputs, and module attributes (``in_features``, ``out_features``, channels, BN
+   ``num_features``, and the attention head count) follow. A pruned unit contributes exactly zero before removal
+   (its row, bias and downstream columns are all masked or sliced together), so removal leaves the outputs unchanged
+   up to float summation order.
+Techniques whose schedule has not started are dropped with a warning: they never affected the outputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from zlightning.compression._config import CompressionConfig, HeadPruningConfig, LayerReductionConfig
+from zlightning.compression._deepspeed import parse_compression_training
+from zlightning.compression._modules import COMPRESSED_TYPES, compressed_twin, plain_twin
+from zlightning.compression._select import pair_related, select_modules
+from zlightning.compression._techniques import ActivationQuantizer, Mask, ScheduledTechnique, WeightQuantizer
+
+__all__ = ["HEAD_COUNT_ATTRS", "StructureEdit", "apply_schedule", "compression_stats", "init_compression",
+           "redundancy_clean", "reduce_layers"]
+
+HEAD_COUNT_ATTRS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
+"""Attributes of an attention module read as its head count and updated when heads are removed."""
+_ALL_ON = 2**62
+
+
+@dataclass(frozen=True)
+class StructureEdit:
+    """One physical removal: ``module``'s parameters keep ``index`` along ``dim`` (0 = out/rows, 1 = in/columns)."""
+
+    module: str
+    dim: int
+    index: Tensor
+
+
+def _root(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for parent in root.modules():
+        for key, child in parent._modules.items():
+            if child is old:
+                parent._modules[key] = new
+
+
+def _parent(root: nn.Module, name: str) -> nn.Module:
+    return root.get_submodule(name.rpartition(".")[0])
+
+
+def _num_heads(root: nn.Module, name: str, cfg: HeadPruningConfig, in_features: int) -> int:
+    parent = _parent(root, name)
+    heads = cfg.num_heads or next((getattr(parent, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(parent, a, None), int)), None)
+    if heads is None:
+        raise ValueError(
+            f"head_pruning: cannot tell the head count of {name!r}: set head_pruning num_heads, or give its parent "
+            f"module one of the attributes {list(HEAD_COUNT_ATTRS)}."
+        )
+    if in_features % heads != 0:
+        raise ValueError(f"head_pruning: {name!r} has in_features={in_features}, not divisible by num_heads={heads}.")
+    return heads
+
+
+def _build(root: nn.Module, technique: str, cfg: object, group: object, name: str, index: int | None,
+           module: nn.Module, wq_groups: dict[int, int]) -> ScheduledTechnique:
+    offset = cfg.schedule_offset  # type: ignore[attr-defined]
+    if technique == "weight_quantization":
+        groups = module.weight.shape[0] if isinstance(module, nn.Embedding) else cfg.quantize_groups  # type: ignore[attr-defined]
+        groups = wq_groups.setdefault(id(module.weight), groups)  # tied weights: the first module's grouping
+        if module.weight.shape[0] % groups != 0:
+            raise ValueError(
+                f"weight_quantization: quantize_groups={groups} must divide the {module.weight.shape[0]} rows of "
+                f"{name!r} (groups are bands of rows)."
+            )
+        return WeightQuantizer(schedule_offset=offset, start_bits=group.start_bits, target_bits=group.target_bits,  # type: ignore[attr-defined]
+                               period=group.quantization_period, scheme=cfg.quantization_type,  # type: ignore[attr-defined]
+                               num_groups=groups, stochastic=cfg.rounding == "stochastic")  # type: ignore[attr-defined]
+    if technique == "activation_quantization":
+        return ActivationQuantizer(schedule_offset=offset, bits=group.bits, scheme=cfg.quantization_type,  # type: ignore[attr-defined]
+                                   calibration=cfg.range_calibration, per_sample=isinstance(module, nn.Conv2d))  # type: ignore[attr-defined]
+    kind = technique.removesuffix("_pruning")
+    related: tuple[str, ...] = ()
+    if kind != "sparse" and group.related_modules is not None and index is not None:  # type: ignore[attr-defined]
+        related = pair_related(root, name, group.related_modules[index], technique)  # type: ignore[attr-defined]
+    heads = _num_heads(root, name, cfg, module.in_features) if kind == "head" else 1  # type: ignore[arg-type]
+    return Mask(kind=kind, method=cfg.method, dense_ratio=float(group.dense_ratio), schedule_offset=offset,  # type: ignore[attr-defined, arg-type]
+                weight=module.weight, num_heads=heads, freeze_after=getattr(cfg, "schedule_offset_end", None),
+                related=related)
+
+
+def init_compression(model: nn.Module, config: CompressionConfig | dict | str, teacher_model: nn.Module | None = None) -> nn.Module:
+    """Prepares ``model`` for compression-aware training (in place) and returns it.
+
+    Selected layers are swapped for compressed twins that share their parameters, and each gets its technique
+    objects (quantizers, masks, learnable scores). Every technique starts *off*: `apply_schedule` (or the Lightning
+    callbacks, from ``trainer.global_step``) switches it on at its ``schedule_offset``, so the output is bit-identical
+    to the uncompressed model until then. Learnable ``topk`` scores are new parameters: build the optimizer after
+    this call. Every selection is validated before the model is changed.
+
+    Args:
+        model: The model (a DDP wrapper is unwrapped).
+        config: A `CompressionConfig`, or DeepSpeed's ``compression_training`` dict / JSON path.
+        teacher_model: Source of the layers for ``layer_reduction`` (required when it is enabled).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError: For an invalid config, regex, selection (no match, wrong type, matched twice, also across
+            calls), head count, or a missing teacher.
+    """
+    cfg = parse_compression_training(config)
+    root = _root(model)
+    if cfg.layer_reduction is not None:
+        if teacher_model is None:
+            raise ValueError("layer_reduction is enabled but no teacher_model was given to init_compression.")
+        reduce_layers(root, _root(teacher_model), cfg.layer_reduction)
+    plans: list[tuple[str, str, nn.Module, ScheduledTechnique]] = []
+    wq_groups: dict[int, int] = {}
+    for technique, tcfg in cfg.techniques().items():
+        claimed: dict[str, str] = {}
+        for sel in select_modules(root, technique, tcfg.groups):  # type: ignore[attr-defined]
+            module = root.get_submodule(sel.name)
+            if getattr(module, technique, None) is not None:
+                raise ValueError(f"{technique}: module {sel.name!r} already has {technique} (from an earlier "
+                                 "init_compression call or another callback); select it once.")
+            if sel.name == "":
+                raise ValueError("cannot compress the root module itself; wrap it in a container module.")
+            built = _build(root, technique, tcfg, sel.group, sel.name, sel.pattern_index, module, wq_groups)
+            for rel in getattr(built, "related", ()):
+                if rel in claimed:
+                    raise ValueError(f"{technique}: related module {rel!r} is paired with both {claimed[rel]!r} and "
+                                     f"{sel.name!r}; make the related_modules regexes select one per module.")
+                claimed[rel] = sel.name
+            plans.append((technique, sel.name, module, built))
+    for technique, name, module, built in plans:  # all validated: now change the model
+        twin = root.get_submodule(name)
+        if not isinstance(twin, COMPRESSED_TYPES):
+            twin = compressed_twin(module)
+            _replace(root, module, twin)
+        twin.add_technique(technique, built, name)
+    return model
+
+
+def apply_schedule(model: nn.Module, step: int | None) -> None:
+    """Tells every technique the current optimizer step (None: all techniques on, at their target bits and
+    frozen masks, e.g. for post-training compression). Call it before each training step."""
+    for module in _root(model).modules():
+        if isinstance(module, ScheduledTechnique):
+            module.set_step(_ALL_ON if step is None else step)
+
+
+def compression_stats(model: nn.Module) -> dict[str, float]:
+    """Scalars for logging, from technique state only (no weight reads, so safe under ZeRO-3 outside forward):
+    ``compression/<technique>/active`` (fraction of layers), ``.../bits`` (mean current bits of active weight
+    quantizers), ``.../masked_fraction`` (pruned fraction of units in computed masks; for sparse pruning, the
+    sparsity of the pruned weights)."""
+    by: dict[str, list[ScheduledTechnique]] = {}
+    for module in _root(model).modules():
+        if isinstance(module, ScheduledTechnique):
+            by.setdefault(module.technique, []).append(module)
+    stats: dict[str, float] = {}
+    for technique, items in sorted(by.items()):
+        key = f"compression/{technique}"
+        stats[f"{key}/active"] = sum(t.active for t in items) / len(items)
+        active = [t for t in items if t.active]
+        if technique == "weight_quantization" and active:
+            stats[f"{key}/bits"] = sum(t.bits for t in active) / len(active)  # type: ignore[attr-defined]
+        masks = [t for t in active if isinstance(t, Mask) and bool(t.ready)]
+        if masks:
+            total = sum(t.mask.numel() for t in masks)
+            stats[f"{key}/masked_fraction"] = sum(float((t.mask == 0).sum()) for t in masks) / total
+    return stats
+
+
+def _bake(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    compressed = [(n, m) for n, m in root.named_modules() if isinstance(m, COMPRESSED_TYPES)]
+    dropped = [f"{n}.{t}" for n, m in compressed for t, obj in m.techniques().items() if not obj.active]
+    if dropped:
+        warnings.warn(f"redundancy_clean: dropping techniques whose schedule has not started: {dropped}", stacklevel=3)
+    baked: dict[int, tuple[str, nn.Parameter, Tensor]] = {}
+    for module in root.modules():  # baking (and export) round to nearest: stochastic rounding is for training only
+        if isinstance(module, WeightQuantizer):
+            module.stochastic = False
+    with torch.no_grad():
+        for name, m in compressed:
+            for pname, value in zip(("weight", "bias"), m.compressed_params()):
+                param = getattr(m, pname, None)
+                if param is None:
+                    continue
+                prev = baked.get(id(param))
+                if prev is not None and not torch.equal(prev[2], value):
+                    raise ValueError(f"redundancy_clean: {name}.{pname} is shared with {prev[0]} but the two layers "
+                                     "compress it differently; compress tied weights identically.")
+                baked[id(param)] = (f"{name}.{pname}", param, value.detach().clone())
+        for _, param, value in baked.values():
+            param.data = value.to(param.dtype)
+    return compressed
+
+
+def _slice(module: nn.Module, dim: int, index: Tensor, names: tuple[str, ...] = ("weight", "bias")) -> None:
+    for pname in names:
+        t = getattr(module, pname, None)
+        if t is None or (pname == "bias" and dim == 1):
+            continue
+        new = t.detach().index_select(0 if pname != "weight" else dim, index.to(t.device)).clone()
+        if isinstance(t, nn.Parameter):
+            setattr(module, pname, nn.Parameter(new, requires_grad=t.requires_grad))
+        else:
+            setattr(module, pname, new)
+    attr = {(nn.Linear, 0): "out_features", (nn.Linear, 1): "in_features", (nn.Conv2d, 0): "out_channels",
+            (nn.Conv2d, 1): "in_channels"}
+    for (kind, d), name in attr.items():
+        if isinstance(module, kind) and d == dim:
+            setattr(module, name, int(index.numel()))
+
+
+def _remove_rows(root: nn.Module, name: str, mask: Mask, edits: list[StructureEdit]) -> None:
+    keep = mask.keep_index()
+    primary = root.get_submodule(name)
+    _slice(primary, 0, keep)
+    edits.append(StructureEdit(name, 0, keep))
+    for rel in mask.related:
+        module = root.get_submodule(rel)
+        if isinstance(module, nn.BatchNorm2d):
+            _slice(module, 0, keep, ("weight", "bias", "running_mean", "running_var"))
+            module.num_features = int(keep.numel())
+            edits.append(StructureEdit(rel, 0, keep))
+            continue
+        if module.weight.shape[1] != mask.mask.numel():
+            raise ValueError(f"{mask.technique}: related module {rel!r} has {module.weight.shape[1]} inputs but "
+                             f"{name!r} has {mask.mask.numel()} outputs; fix the related_modules regex.")
+        _slice(module, 1, keep)
+        edits.append(StructureEdit(rel, 1, keep))
+
+
+def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureEdit]) -> None:
+    heads = mask.keep_index()
+    proj = root.get_submodule(name)
+    width = proj.weight.shape[1]
+    head_dim = width // mask.num_heads
+    cols = (heads[:, None] * head_dim + torch.arange(head_dim)).flatten()
+    _slice(proj, 1, cols)
+    edits.append(StructureEdit(name, 1, cols))
+    for rel in mask.related:
+        module = root.get_submodule(rel)
+        out = module.weight.shape[0]
+        if out % width != 0:
+            raise ValueError(f"head_pruning: related module {rel!r} has {out} outputs, not a multiple of the "
+                             f"{width} inputs of {name!r}; it must be Q, K, V or a fused QKV projection.")
+        rows = torch.cat([chunk * width + cols for chunk in range(out // width)])
+        _slice(module, 0, rows)
+        edits.append(StructureEdit(rel, 0, rows))
+    parents = {id(p): p for p in [_parent(root, name), *(_parent(root, r) for r in mask.related)]}
+    updated = False
+    for parent in parents.values():
+        for attr in HEAD_COUNT_ATTRS:
+            if isinstance(getattr(parent, attr, None), int):
+                setattr(parent, attr, int(heads.numel()))
+                updated = True
+        if isinstance(getattr(parent, "all_head_size", None), int):
+            parent.all_head_size = int(heads.numel()) * head_dim
+    if not updated:
+        warnings.warn(f"head_pruning: removed heads of {name!r} but found no head-count attribute "
+                      f"({list(HEAD_COUNT_ATTRS)}) on its parent; update the attention module yourself.", stacklevel=3)
+
+
+def redundancy_clean(model: nn.Module, config: CompressionConfig | dict | str | None = None) -> nn.Module:
+    """Bakes compression into plain layers and physically removes pruned units; see [Note: redundancy_clean keeps
+    outputs].
+
+    Args:
+        model: A model prepared by `init_compression` (a DDP wrapper is unwrapped); changed in place.
+        config: Optional; when given, its selections are re-validated against the model (matched-twice errors).
+
+    Returns:
+        ``model``, whose outputs equal the compressed model's (up to float summation order).
+
+    Raises:
+        ValueError: For an invalid config, related modules whose shapes do not fit, or tied weights compressed
+            differently.
+    """
+    return _clean(model, config)[0]
+
+
+def _clean(model: nn.Module, config: CompressionConfig | dict | str | None) -> tuple[nn.Module, list[StructureEdit]]:
+    root = _root(model)
+    if config is not None:
+        cfg = parse_compression_training(config)
+        for technique, tcfg in cfg.techniques().items():
+            select_modules(root, technique, tcfg.groups)  # type: ignore[attr-defined]
+    compressed = _bake(root)
+    structural = [(n, t) for n, m in compressed for t in m.techniques().values()
+                  if isinstance(t, Mask) and t.kind != "sparse" and t.active and t.related]
+    for name, m in compressed:
+        _replace(root, m, plain_twin(m))
+    edits: list[StructureEdit] = []
+    for name, mask in structural:
+        if mask.kind == "head":
+            _remove_heads(root, name, mask, edits)
+        else:
+            _remove_rows(root, name, mask, edits)
+    return model, edits
+
+
+def _named(model: nn.Module, name: str, role: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError as err:
+        raise ValueError(f"layer_reduction: the {role} ({type(model).__name__}) has no module {name!r} ({err}); "
+                         "student and teacher must use the same module names (e.g. both LightningModules, or both "
+                         "plain models).") from err
+
+
+def reduce_layers(student: nn.Module, teacher: nn.Module, config: LayerReductionConfig) -> None:
+    """Initialises ``student`` from ``teacher``: student layer i <- teacher layer ``teacher_layer[i]`` and each
+    ``other_module_name`` module whole, parameter by parameter (shapes must match).
+
+    Raises:
+        ValueError: If the layer lists or modules are missing, the student has another number of layers than
+            ``teacher_layer``, or shapes differ.
+    """
+    s_layers = _named(student, config.module_name_prefix, "student")
+    t_layers = _named(teacher, config.module_name_prefix, "teacher")
+    if len(s_layers) != len(config.teacher_layer):  # type: ignore[arg-type]
+        raise ValueError(f"layer_reduction: the student has {len(s_layers)} layers under "  # type: ignore[arg-type]
+                         f"{config.module_name_prefix!r} but teacher_layer lists {len(config.teacher_layer)}; build the "
+                         "student with keep_number_layer layers.")
+    pairs = [(s_layers[i], t_layers[t], f"{config.module_name_prefix}.{t}") for i, t in enumerate(config.teacher_layer)]  # type: ignore[index]
+    pairs += [(_named(student, n, "student"), _named(teacher, n, "teacher"), n) for n in config.other_module_name]
+    with torch.no_grad():
+        for s, t, where in pairs:
+            s_params, t_params = list(s.parameters()), list(t.parameters())
+            if [p.shape for p in s_params] != [p.shape for p in t_params]:
+                raise ValueError(f"layer_reduction: student and teacher {where!r} have different parameter shapes.")
+            for sp, tp in zip(s_params, t_params):
+                sp.copy_(tp)

@@ -1,0 +1,145 @@
+"""Compressed twins of ``nn.Linear``, ``nn.Conv2d`` and ``nn.Embedding``.
+
+A twin *is* its base class (``isinstance(CompressedLinear(...), nn.Linear)``) and holds the very same ``weight`` and
+``bias`` Parameter objects, so optimizers, tied weights and ``state_dict`` keys are unchanged; techniques are child
+modules (``layer.sparse_pruning.mask`` in the state dict).
+
+[Note: order inside forward]
+Masks first (sparse, row, head, channel), then weight quantization, then the input's activation quantization. Masking
+before quantizing means the quantizer sees the weights that are really used, zeros stay exact (both grids contain 0),
+and a cleaned model holds exactly the weights the training forward used. DeepSpeed quantized first, then masked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zlightning.compression._techniques import ActivationQuantizer, Mask, ScheduledTechnique, WeightQuantizer
+
+__all__ = ["COMPRESSED_TYPES", "CompressedConv2d", "CompressedEmbedding", "CompressedLinear", "TECHNIQUES",
+           "compressed_twin", "plain_twin"]
+
+TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning", "head_pruning",
+              "channel_pruning")
+_MASKS = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
+
+
+class _CompressedMixin(nn.Module):
+    """Technique slots and the compressed weight; see [Note: order inside forward]."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    weight_quantization: WeightQuantizer | None
+    activation_quantization: ActivationQuantizer | None
+    sparse_pruning: Mask | None
+    row_pruning: Mask | None
+    head_pruning: Mask | None
+    channel_pruning: Mask | None
+
+    def add_technique(self, name: str, technique: ScheduledTechnique, module_name: str) -> None:
+        """Attaches a technique.
+
+        Raises:
+            ValueError: If the layer already has this technique (matched twice, e.g. by two callbacks).
+        """
+        if name not in TECHNIQUES:
+            raise AssertionError(f"{name=}")
+        if getattr(self, name, None) is not None:
+            raise ValueError(
+                f"{name}: module {module_name!r} already has {name}; a module may be selected once per technique "
+                "(check for two callbacks or two init_compression calls selecting it)."
+            )
+        setattr(self, name, technique)
+
+    def techniques(self) -> dict[str, ScheduledTechnique]:
+        return {n: t for n in TECHNIQUES if (t := getattr(self, n, None)) is not None}
+
+    def compressed_params(self, quantize: bool = True) -> tuple[Tensor, Tensor | None]:
+        """The effective ``(weight, bias)``: active masks applied (a row/channel mask also zeroes its bias entries,
+        with the same straight-through gradient to the scores), then weight quantization."""
+        w, b = self.weight, getattr(self, "bias", None)
+        for name in _MASKS:
+            mask = getattr(self, name, None)
+            if mask is None:
+                continue
+            w, m = mask(w)
+            if m is not None and b is not None and mask.kind in ("row", "channel"):
+                b = b * m.reshape(-1).to(b.dtype)
+        if quantize and self.weight_quantization is not None:
+            w = self.weight_quantization(w)
+        return w, b
+
+    def compressed_weight(self, quantize: bool = True) -> Tensor:
+        """The effective weight (see `compressed_params`)."""
+        return self.compressed_params(quantize)[0]
+
+    def _input(self, x: Tensor) -> Tensor:
+        aq = self.activation_quantization
+        return x if aq is None else aq(x)
+
+
+class CompressedLinear(_CompressedMixin, nn.Linear):
+    """``nn.Linear`` with compression techniques."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.compressed_params()
+        return F.linear(self._input(x), w, b)
+
+
+class CompressedConv2d(_CompressedMixin, nn.Conv2d):
+    """``nn.Conv2d`` with compression techniques."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.compressed_params()
+        return self._conv_forward(self._input(x), w, b)
+
+
+class CompressedEmbedding(_CompressedMixin, nn.Embedding):
+    """``nn.Embedding`` with weight quantization."""
+
+    def forward(self, idx: Tensor) -> Tensor:
+        w = self.compressed_weight()
+        return F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+
+_TWINS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: CompressedLinear, nn.Conv2d: CompressedConv2d, nn.Embedding: CompressedEmbedding,
+}
+COMPRESSED_TYPES = (CompressedLinear, CompressedConv2d, CompressedEmbedding)
+
+
+def _copy_into(cls: type[nn.Module], module: nn.Module) -> Any:
+    new = cls.__new__(cls)
+    new.__dict__.update({k: (v.copy() if isinstance(v, (dict, set)) else v) for k, v in module.__dict__.items()})
+    return new
+
+
+def compressed_twin(module: nn.Module) -> _CompressedMixin:
+    """The compressed twin of a Linear/Conv2d/Embedding sharing its parameters (the module itself if already one)."""
+    if isinstance(module, COMPRESSED_TYPES):
+        return module
+    base = next((b for b in _TWINS if type(module) is b), None)
+    if base is None:
+        base = next((b for b in _TWINS if isinstance(module, b)), None)
+        if base is None or type(module).forward is not base.forward:
+            raise ValueError(
+                f"cannot compress a {type(module).__name__}: only nn.Linear, nn.Conv2d and nn.Embedding (or subclasses "
+                "that keep their forward) are supported; narrow the module regexes."
+            )
+    new = _copy_into(_TWINS[base], module)
+    for name in TECHNIQUES:
+        setattr(new, name, None)
+    return new
+
+
+def plain_twin(module: nn.Module) -> nn.Module:
+    """The plain base module (Linear/Conv2d/Embedding) sharing the parameters, techniques dropped."""
+    base = next(b for b in _TWINS if isinstance(module, b))
+    new = _copy_into(base, module)
+    for name in TECHNIQUES:
+        new._modules.pop(name, None)
+        new.__dict__.pop(name, None)
+    return new
