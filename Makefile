@@ -10,7 +10,9 @@ TORCH_PIN := torch==2.13.0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The native kernels (kernels/csrc) are part of the install: compiled once here, cached by a hash of sources + torch
+# version under kernels/build, never at import. A failed build only warns: every op has a PyTorch fallback.
+$(STAMP): pyproject.toml $(wildcard kernels/csrc/*)
 	@echo ">> creating $(VENV) (if missing)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo ">> installing $(TORCH_PIN) first (CPU build on this machine; never an unpinned torch)"
@@ -18,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(TORCH_PIN)
 	@echo ">> installing zlightning (editable) with test extras"
 	$(PY) -m pip install --quiet -e ".[test]"
+	@echo ">> building native kernels (zlightning.kernels; a few minutes the first time, cached afterwards)"
+	-$(PY) -m zlightning.kernels._build
 	@touch $(STAMP)
 	@echo ">> install done"
 
@@ -38,4 +42,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/zero3.py
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache
+	rm -rf $(VENV) runs lightning_logs .pytest_cache kernels/build

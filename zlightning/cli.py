@@ -71,6 +71,12 @@ def _consolidate(argv: list[str]) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    from zlightning.pipe._checkpoint import consolidate_pipeline_checkpoint, is_pipeline_checkpoint  # issue 5
+
+    if is_pipeline_checkpoint(a.ckpt_dir):  # a zstack_pipeline checkpoint directory (issue 5)
+        torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in consolidate_pipeline_checkpoint(a.ckpt_dir).items()}, a.out)
+        print(f"wrote {a.out}")
+        return
     out = consolidate(a.ckpt_dir, a.out, dtype=dtype, progress=not a.no_progress)
     print(f"wrote {out}")
 
@@ -117,9 +123,17 @@ def _analyze(argv: list[str]) -> None:
     analyze_main(argv)
 
 
+def _kernels(argv: list[str]) -> None:
+    """``zlightning kernels [--build] [--json]``: native kernel report (compiled or fallback, ISA, flags, versions)."""
+    from zlightning.kernels._report import main as kernels_main
+
+    kernels_main(argv)
+
+
 EXTRA_COMMANDS: dict[str, Command] = {"consolidate": _consolidate, "estimate": _estimate, "analyze": _analyze}
 """Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate``, ``estimate``,
 ``analyze``; every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
+EXTRA_COMMANDS["kernels"] = _kernels  # issue 9: native kernel report
 
 
 _HELP_EPILOG = (

@@ -1,0 +1,216 @@
+"""Ahead-of-time build of the native kernels: ``python -m zlightning.kernels._build`` (run by ``make install``).
+
+[Note: build once, never at import]
+DeepSpeed's op builders compile on first use, inside the user's training job, and a missing compiler or header turns
+into an import-time crash. Here the compile happens only in this module's `build`, which ``make install`` (and
+``zlightning kernels --build``) calls. The result is cached under a key made of the sources, the flags, the compiler
+and the torch version (`cache_key`); `zlightning.kernels._ext` only *loads* a library whose key matches the current
+sources and torch, and otherwise warns once and uses the pure-PyTorch reference of every op.
+
+The ISA-specific Adam kernel is compiled three times (AVX-512, AVX2, baseline x86-64) from the torch-free
+``adam_isa.cpp`` and picked at run time by CPU feature detection in ``ops.cpp`` (override with
+``ZLIGHTNING_KERNELS_ISA=avx2|base``), so one cached library is correct on any x86-64 machine. Only ``ops.cpp``
+includes torch's headers (the slow part of the build); the objects compile in parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["BuildResult", "build", "build_dir", "cache_key", "library_path"]
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("zl_kernels.h", "adam_isa.cpp", "aio_uring.cpp", "ops.cpp")
+LIB_NAME = "libzlkernels.so"
+COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "base": [],
+}
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What `build` did; also written as ``build.json`` next to the library."""
+
+    ok: bool
+    library: str
+    key: str
+    compiler: str
+    compiler_version: str
+    torch_version: str
+    flags: str
+    seconds: float
+    error: str = ""
+
+
+def _torch_info() -> tuple[str, list[str], str, bool]:
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    lib_dir = str(Path(torch.__file__).parent / "lib")
+    return torch.__version__, include_paths(), lib_dir, bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise FileNotFoundError("no C++ compiler found (set CXX, or install g++: `apt-get install g++`)")
+    return cxx
+
+
+def _compiler_version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    return out.splitlines()[0].strip() if out else "unknown"
+
+
+def cache_key(torch_version: str | None = None) -> str:
+    """Hash of the sources, flags and torch version: a library with another key is never loaded. (The compiler
+    is recorded in build.json, not in the key, so loading never runs a compiler.)"""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
+    h.update(json.dumps([COMMON_FLAGS, ISA_FLAGS, torch_version, platform.machine()]).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where built libraries are cached: ``$ZLIGHTNING_KERNELS_DIR``, else ``kernels/build`` if writable (editable
+    installs), else ``~/.cache/zlightning/kernels``."""
+    env = os.environ.get("ZLIGHTNING_KERNELS_DIR")
+    if env:
+        return Path(env)
+    local = Path(__file__).resolve().parent / "build"
+    parent = local if local.exists() else local.parent
+    if os.access(parent, os.W_OK):
+        return local
+    return Path.home() / ".cache" / "zlightning" / "kernels"
+
+
+def library_path(key: str | None = None) -> Path:
+    """The cached library for the current sources and torch (it may not exist yet)."""
+    return build_dir() / (key or cache_key()) / LIB_NAME
+
+
+def _commands(cxx: str, out: Path, includes: list[str], lib_dir: str, abi: bool) -> tuple[list[list[str]], list[str], str]:
+    inc = [f"-I{p}" for p in includes] + [f"-I{CSRC}"]
+    abi_flag = [f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}"]
+    objs, cmds = [], []
+    for isa, flags in ISA_FLAGS.items():
+        obj = str(out / f"adam_{isa}.o")
+        cmds.append([cxx, *COMMON_FLAGS, "-fopenmp-simd", *flags, f"-DZL_ISA_FN=adam_{isa}", f"-I{CSRC}",
+                     "-c", str(CSRC / "adam_isa.cpp"), "-o", obj])
+        objs.append(obj)
+    obj = str(out / "aio_uring.o")
+    cmds.append([cxx, *COMMON_FLAGS, *abi_flag, f"-I{CSRC}", "-c", str(CSRC / "aio_uring.cpp"), "-o", obj])
+    objs.append(obj)
+    flags_str = " ".join(COMMON_FLAGS) + " | isa: " + "; ".join(f"{k}: {' '.join(v) or '(x86-64)'}"
+                                                               for k, v in ISA_FLAGS.items())
+    obj = str(out / "ops.o")
+    cmds.append([cxx, *COMMON_FLAGS, *abi_flag, "-fopenmp", "-DTORCH_EXTENSION_NAME=zlkernels",
+                 f'-DZL_BUILD_FLAGS="{flags_str}"', *inc, "-c", str(CSRC / "ops.cpp"), "-o", obj])
+    objs.append(obj)
+    link = [cxx, "-shared", "-o", str(out / LIB_NAME), *objs, f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch",
+            f"-Wl,-rpath,{lib_dir}", "-lpthread"]
+    gomp = Path(lib_dir) / "libgomp.so.1"  # torch's own OpenMP runtime: never load a second one
+    link += [str(gomp)] if gomp.exists() else ["-fopenmp"]
+    return cmds, link, flags_str
+
+
+def _compile_cached(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Compiles one object, reusing an identical earlier compile (same command and sources) from ``objcache/``:
+    editing one source recompiles only that object (ops.cpp, with torch's headers, is the slow one)."""
+    src, obj = Path(cmd[cmd.index("-c") + 1]), Path(cmd[cmd.index("-o") + 1])
+    h = hashlib.sha256(json.dumps([c for c in cmd if c != str(obj)]).encode() + src.read_bytes()
+                       + (CSRC / "zl_kernels.h").read_bytes()).hexdigest()[:20]
+    cached = build_dir() / "objcache" / f"{obj.stem}-{h}.o"
+    if cached.exists():
+        shutil.copyfile(cached, obj)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode == 0:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(obj, cached)
+    return proc
+
+
+def build(force: bool = False, verbose: bool = True) -> BuildResult:
+    """Compiles and caches the native library (a no-op when the cached one matches). Never raises for compile
+    errors: the result says ``ok=False`` with the compiler's output, and callers fall back to PyTorch."""
+    t0 = time.perf_counter()
+    torch_version, includes, lib_dir, abi = _torch_info()
+    try:
+        cxx = _compiler()
+    except FileNotFoundError as err:
+        return BuildResult(False, "", "", "", "", torch_version, "", 0.0, str(err))
+    cver = _compiler_version(cxx)
+    key = cache_key(torch_version)
+    out = build_dir() / key
+    lib = out / LIB_NAME
+    if lib.exists() and not force:
+        meta = json.loads((out / "build.json").read_text()) if (out / "build.json").exists() else {}
+        if verbose:
+            print(f">> zlightning kernels: cached build {lib} (built in {meta.get('seconds', 0):.0f}s)")
+        return BuildResult(True, str(lib), key, cxx, cver, torch_version, meta.get("flags", ""),
+                           meta.get("seconds", 0.0))
+    out.mkdir(parents=True, exist_ok=True)
+    cmds, link, flags = _commands(cxx, out, includes, lib_dir, abi)
+    if verbose:
+        print(f">> zlightning kernels: compiling {len(cmds)} objects with {cver} into {out} (takes a few minutes)")
+    with ThreadPoolExecutor(max_workers=max(1, min(len(cmds), os.cpu_count() or 1))) as pool:
+        procs = list(pool.map(_compile_cached, cmds))
+    errors = [f"$ {' '.join(c)}\n{p.stderr}" for c, p in zip(cmds, procs) if p.returncode]
+    if not errors:
+        p = subprocess.run(link, capture_output=True, text=True, check=False)
+        if p.returncode:
+            errors.append(f"$ {' '.join(link)}\n{p.stderr}")
+    seconds = time.perf_counter() - t0
+    res = BuildResult(not errors, str(lib) if not errors else "", key, cxx, cver, torch_version, flags, seconds,
+                      "\n".join(errors)[-8000:])
+    if errors and lib.exists():
+        lib.unlink()
+    (out / "build.json").write_text(json.dumps(asdict(res), indent=1))
+    for obj in out.glob("*.o"):
+        obj.unlink()
+    if res.ok:
+        _prune_stale(key, torch_version)
+    if verbose:
+        print(f">> zlightning kernels: {'built' if res.ok else 'BUILD FAILED'} in {seconds:.0f}s"
+              + ("" if res.ok else f"; the PyTorch fallbacks will be used. Compiler output:\n{res.error}"))
+    return res
+
+
+def _prune_stale(key: str, torch_version: str) -> None:
+    """Removes libraries built for the same torch from older sources (they can never load again)."""
+    for meta in build_dir().glob("*/build.json"):
+        if meta.parent.name != key and json.loads(meta.read_text()).get("torch_version") == torch_version:
+            shutil.rmtree(meta.parent, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zlightning.kernels._build", description=__doc__.split("\n")[0])
+    p.add_argument("--force", action="store_true", help="rebuild even if a matching cached library exists")
+    p.add_argument("--strict", action="store_true", help="exit 1 when the build fails (default: warn, exit 0)")
+    a = p.parse_args(argv)
+    res = build(force=a.force)
+    return 1 if (a.strict and not res.ok) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
