@@ -2,7 +2,10 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from zlightning.strategies.pipeline import PipelineStrategy
 from zlightning.strategies.zero3 import ZStackZero3Strategy
 
 if ZStackZero3Strategy.strategy_name not in StrategyRegistry:
     ZStackZero3Strategy.register_strategies(StrategyRegistry)
+if PipelineStrategy.strategy_name not in StrategyRegistry:
+    PipelineStrategy.register_strategies(StrategyRegistry)

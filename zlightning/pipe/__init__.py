@@ -1,1 +1,28 @@
-"""Reserved for a later issue (see the project issues)."""
+"""Pipeline parallelism (Lightning-free): ``PipelineModule`` + ``LayerSpec``/``TiedLayerSpec`` describe the model,
+``PipelineEngine`` runs it over a DP x PP grid with a simulated schedule (``train_batch``/``eval_batch``)."""
+
+from zlightning.pipe._checkpoint import consolidate_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
+from zlightning.pipe._engine import PipelineConfig, PipelineEngine
+from zlightning.pipe._module import PipelineModule
+from zlightning.pipe._schedule import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, timeline
+from zlightning.pipe._spec import LayerSpec, TiedLayerSpec
+from zlightning.pipe._topology import PipeGrid
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "LayerSpec",
+    "PipeGrid",
+    "PipelineConfig",
+    "PipelineEngine",
+    "PipelineModule",
+    "Schedule",
+    "ScheduleError",
+    "TiedLayerSpec",
+    "build_schedule",
+    "consolidate_pipeline_checkpoint",
+    "load_pipeline_checkpoint",
+    "save_pipeline_checkpoint",
+    "simulate",
+    "timeline",
+]

@@ -1,0 +1,378 @@
+"""``zstack_pipeline``: a thin Lightning adapter over ``zlightning.pipe`` (pipeline x data parallelism, ZeRO-1).
+
+[Note: how a step maps onto Lightning]
+The LightningModule holds a ``PipelineModule`` (``self.pipe = PipelineModule(layers=..., loss_fn=...)``) and its
+``training_step`` returns ``self.pipe.batch_loss(batch)``. ``setup`` builds only this rank's stage(s) through a
+``PipelineEngine`` before ``configure_optimizers`` runs (so optimizers see the local parameters). ``batch_loss`` runs
+the whole schedule, backward included, and returns the batch's mean loss on every rank, so ``self.log`` and the
+progress bar show the true number. ``backward`` is therefore a no-op here (its hooks still fire), and
+the gradients are moved aside until then so Lightning's ``zero_grad`` (which runs between the two) cannot erase them;
+``PipelinePrecision`` inserts, between Lightning's closure and the optimizer step: tied + data-parallel gradient
+reduction, global-norm clipping over all stages (``Trainer(gradient_clip_val=...)``), and ZeRO-1's drop / broadcast.
+``accumulate_grad_batches`` works: micro-batch losses are scaled by ``1 / accumulate`` and gradients are reduced
+once, before the step. Validation, test and prediction use the inference schedule (``batch_loss`` under no-grad,
+``self.pipe.predict(inputs)``).
+
+[Note: checkpoints here]
+``trainer.save_checkpoint``/``ModelCheckpoint`` write a directory (``zlightning.pipe.save_pipeline_checkpoint``:
+per-layer files, per-rank optimizer files, Lightning's loop state as client state); ``ckpt_path=`` resumes from it and
+``consolidate_pipeline_checkpoint`` turns it into one plain state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Generator
+from datetime import timedelta
+from functools import partial
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from zlightning.pipe import PipeGrid, PipelineConfig, PipelineEngine, PipelineModule
+from zlightning.pipe._checkpoint import is_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
+from zlightning.pipe._partition import layer_weights
+
+__all__ = ["PipelinePrecision", "PipelineStrategy"]
+
+
+def _check_partition(partition: str) -> None:
+    if partition.lower().startswith("type:"):
+        try:
+            re.compile(partition[len("type:") :])
+        except re.error as e:
+            raise ValueError(f"PipelineStrategy(partition={partition!r}): invalid regular expression ({e})") from e
+    else:
+        layer_weights(partition, [], [])
+
+
+class PipelinePrecision(Precision):
+    """Full precision (``"32-true"``) or bf16 autocast (``"bf16-mixed"``) around the pipeline, with the engine's
+    gradient reduction, global clipping and ZeRO-1 around the optimizer step (see [Note: how a step maps onto
+    Lightning])."""
+
+    def __init__(self, precision: Literal["32-true", "bf16-mixed"] = "32-true") -> None:
+        if precision not in ("32-true", "bf16-mixed"):
+            raise ValueError(
+                f"zstack_pipeline supports precision '32-true' or 'bf16-mixed', got {precision!r} (fp16 needs loss "
+                "scaling inside the schedule, which is not implemented)"
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.engine: PipelineEngine | None = None
+
+    def _engine(self) -> PipelineEngine:
+        if self.engine is None:
+            raise RuntimeError("zstack_pipeline: the optimizer step ran before the strategy built the pipeline engine")
+        return self.engine
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision == "bf16-mixed":
+            device = self.engine.device.type if self.engine is not None else "cpu"
+            with torch.autocast(device, dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+    @override
+    def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        result = closure()
+        self._engine().reduce_gradients()
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        self._engine().before_step()
+        return result
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
+        out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
+        self._engine().after_step()
+        return out
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        self._engine().clip_grad_norm_(float(clip_val))
+
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline parallelism (x data parallelism when ``devices`` exceeds ``num_stages``) for a LightningModule that
+    holds a ``zlightning.pipe.PipelineModule``.
+
+    ``Trainer(strategy="zstack_pipeline", devices=N)`` (N stages, 4 micro-batches, 1F1B) or
+    ``Trainer(strategy=PipelineStrategy(num_stages=2, micro_batches=8, schedule="interleaved_1f1b"), devices=4)``.
+
+    Args:
+        num_stages: pipeline ranks; default: the module's ``num_stages``, else all devices.
+        micro_batches: micro-batches per training batch (the loader's batch size must be a multiple).
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"``.
+        partition: overrides the module's ``partition_method`` (``"parameters"``, ``"uniform"``, ``"type:REGEX"``).
+        config: full engine config instead of ``micro_batches``/``schedule`` (virtual stages, ZeRO-1).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+        process_group_backend, timeout, start_method: as Lightning's DDP strategy.
+    """
+
+    strategy_name = "zstack_pipeline"
+
+    def __init__(
+        self,
+        num_stages: int | None = None,
+        micro_batches: int = 4,
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
+        partition: str | None = None,
+        config: PipelineConfig | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+            raise ValueError(f"PipelineStrategy(num_stages=...) must be None or an int >= 1, got {num_stages!r}")
+        if config is not None and (micro_batches != 4 or schedule != "1f1b"):
+            raise ValueError("PipelineStrategy: give either config=PipelineConfig(...) or micro_batches=/schedule=, not both")
+        self.config = config if config is not None else PipelineConfig(micro_batches=micro_batches, schedule=schedule)
+        if partition is not None:
+            _check_partition(partition)
+        self.partition = partition
+        self.num_stages = num_stages
+        self._num_nodes = 1
+        self._backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.engine: PipelineEngine | None = None
+
+    # ---------------------------------------------------------------- ranks and grid
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to inject a DistributedSampler (over the data-parallel replicas) and to honour
+        ``self.log(sync_dist=True)``."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError("zstack_pipeline: root_device is read before the Trainer set parallel_devices")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    def grid(self) -> PipeGrid:
+        """The DP x PP grid of this run (pipeline ranks from ``num_stages``, the module, or all ranks)."""
+        world = self.num_nodes * self.num_processes
+        module = self._pipe_module() if self.lightning_module is not None else None
+        pp = self.num_stages or (module.num_stages if module is not None else None) or world
+        return PipeGrid.from_world(world, self.global_rank, pp)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        grid = self.grid()  # every stage of a replica reads the same samples
+        return {"num_replicas": grid.dp, "rank": grid.dp_rank}
+
+    # ---------------------------------------------------------------- precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else PipelinePrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is None or isinstance(plugin, PipelinePrecision):
+            self._precision_plugin = plugin
+            return
+        self._precision_plugin = PipelinePrecision(getattr(plugin, "precision", "32-true"))
+
+    # ---------------------------------------------------------------- launch, process group
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment is None:
+            raise AssertionError("cluster_environment must be set before the launcher")
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        if self.cluster_environment is None:
+            raise AssertionError("cluster_environment must be set before setup_environment")
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        self._backend = self._backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(self.cluster_environment, self._backend, timeout=self._timeout)
+
+    # ---------------------------------------------------------------- setup
+    def _pipe_module(self) -> PipelineModule:
+        found = [m for m in self.lightning_module.modules() if isinstance(m, PipelineModule)] if self.lightning_module else []
+        if len(found) != 1:
+            raise ValueError(
+                f"zstack_pipeline needs the LightningModule to hold exactly one zlightning.pipe.PipelineModule, found "
+                f"{len(found)}: set e.g. self.pipe = PipelineModule(layers=[...], loss_fn=...) in __init__ and return "
+                "self.pipe.batch_loss(batch) from training_step"
+            )
+        return found[0]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.accelerator is None or self.model is None:
+            raise AssertionError("setup() before connect()")
+        self.accelerator.setup(trainer)
+        pipe = self._pipe_module()
+        inside = {id(p) for p in pipe.parameters()}
+        outside = [n for n, p in self.lightning_module.named_parameters() if id(p) not in inside]
+        if outside:
+            raise ValueError(
+                f"zstack_pipeline: parameters outside the PipelineModule are not supported (found {outside[:3]}); "
+                "make them layers of the PipelineModule"
+            )
+        if self.partition is not None and not pipe.is_built:
+            pipe.partition_method = self.partition
+        if self.engine is None:
+            self.engine = PipelineEngine(pipe, None, self.config, num_stages=self.grid().pp, device=self.root_device)
+        pipe.runner = self.engine  # (again, after a teardown: fit then predict with one Trainer)
+        self.engine.loss_scale_factor = 1.0 / max(1, trainer.accumulate_grad_batches)
+        self.engine.stash_gradients = True  # see [Note: gradients across Lightning's zero_grad] in zlightning.pipe
+        self.model_to_device()
+        plugin = self.precision_plugin
+        if not isinstance(plugin, PipelinePrecision):
+            raise AssertionError(f"unexpected precision plugin {type(plugin).__name__}")
+        plugin.engine = self.engine
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        if self.model is None:
+            raise AssertionError("model_to_device() before connect()")
+        self.model.to(self.root_device)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule already ran the backward inside ``batch_loss``; only the hooks run here."""
+        module = self.lightning_module
+        if closure_loss.requires_grad:
+            raise RuntimeError(
+                "zstack_pipeline: training_step returned a loss with a graph; return self.pipe.batch_loss(batch), "
+                "which runs forward and backward through the pipeline schedule"
+            )
+        self.precision_plugin.pre_backward(closure_loss, module)
+        if self.engine is not None:
+            self.engine.restore_gradients()
+        self.precision_plugin.post_backward(closure_loss, module)
+        return closure_loss
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.module.runner = None
+        plugin = self._precision_plugin
+        if isinstance(plugin, PipelinePrecision):
+            plugin.engine = None
+        super().teardown()
+
+    # ---------------------------------------------------------------- collectives
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not torch.distributed.is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    # ---------------------------------------------------------------- checkpoints: see [Note: checkpoints here]
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {} if self.engine is not None else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {} if self.engine is not None else super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.engine is None:
+            raise RuntimeError("zstack_pipeline: save_checkpoint before setup (no pipeline engine)")
+        client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_pipeline_checkpoint(self.engine, filepath, self._optimizer(), client_state=client)
+
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        if len(self.optimizers) > 1:
+            raise ValueError(f"zstack_pipeline supports one optimizer, configure_optimizers returned {len(self.optimizers)}")
+        return self.optimizers[0] if self.optimizers else None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.engine is None or not is_pipeline_checkpoint(checkpoint_path):
+            raise ValueError(f"zstack_pipeline resumes only from its own checkpoint directories; {checkpoint_path} is not one")
+        client = load_pipeline_checkpoint(self.engine, checkpoint_path, self._optimizer())
+        client["state_dict"] = {}
+        return client
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        return None  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        return None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Pipeline parallelism (x data parallelism, ZeRO-1)")

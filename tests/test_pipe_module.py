@@ -1,0 +1,209 @@
+"""PipelineModule, partitioning, configs and error messages (single process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from examples.gpt_model import GPT, GPTConfig
+from examples.gpt_pipe import gpt_layers, gpt_pipeline, gpt_state_to_pipe
+from zlightning.pipe import LayerSpec, PipeGrid, build_schedule, PipelineConfig, PipelineEngine, PipelineModule, TiedLayerSpec
+from zlightning.pipe._engine import split_microbatches
+from zlightning.pipe._p2p import flatten, unflatten
+from zlightning.pipe._partition import partition_balanced, partition_uniform
+
+
+def test_uniform_partition_matches_deepspeed() -> None:
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
+    assert partition_uniform(4, 4) == [0, 1, 2, 3, 4]
+
+
+def test_balanced_partition_minimises_the_heaviest_stage() -> None:
+    assert partition_balanced([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert partition_balanced([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
+    assert partition_balanced([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [0, 5, 7, 9]  # parts 15, 13, 17: max 17 optimal
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        partition_balanced([1, 1], 3)
+
+
+def test_partition_methods_on_gpt() -> None:
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=4, n_head=4)
+    by_type = gpt_pipeline(cfg, partition_method="type:block").partition(2)
+    assert by_type == [0, 4, 8]  # embed, positions, 2 blocks | 2 blocks, norm, head
+    by_params = gpt_pipeline(cfg, partition_method="parameters").partition(2)
+    assert by_params[0] == 0 and by_params[-1] == 8
+    assert gpt_pipeline(cfg, partition_method="uniform").partition(3) == [0, 3, 6, 8]
+    with pytest.raises(ValueError, match="matches no layer.*Block"):
+        gpt_pipeline(cfg, partition_method="type:Conv2d").partition(2)
+    with pytest.raises(ValueError, match="8 layers, which cannot be split into 9 stages"):
+        gpt_pipeline(cfg).partition(9)
+    with pytest.raises(ValueError, match="unknown partition_method"):
+        gpt_pipeline(cfg, partition_method="balanced")
+    with pytest.raises(NotImplementedError):
+        gpt_pipeline(cfg, partition_method="profile")
+
+
+class Counter(nn.Linear):
+    built = 0
+
+    def __init__(self, d: int) -> None:
+        super().__init__(d, d)
+        if not self.weight.is_meta:  # counting parameters builds on the meta device (free)
+            type(self).built += 1
+
+
+def test_lazy_build_materialises_only_local_layers() -> None:
+    Counter.built = 0
+    module = PipelineModule([LayerSpec(Counter, 4) for _ in range(6)], num_stages=3, partition_method="parameters")
+    bounds = module.partition(3)
+    assert Counter.built == 0 and bounds == [0, 2, 4, 6]  # nothing real is built to count parameters
+    module.build(stages=(1,), total_stages=3)
+    assert Counter.built == 2
+    assert sorted(n for n, _ in module.named_parameters()) == ["2.bias", "2.weight", "3.bias", "3.weight"]
+    with pytest.raises(RuntimeError, match="holds stages"):
+        module(torch.zeros(1, 4))
+
+
+def test_seeded_layers_do_not_depend_on_the_split() -> None:
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=2, n_head=2)
+    whole = gpt_pipeline(cfg).build()
+    part = gpt_pipeline(cfg).build(stages=(1,), total_stages=2)
+    torch.manual_seed(123)  # global RNG state must not matter
+    for name, value in part.state_dict().items():
+        torch.testing.assert_close(value, whole.state_dict()[name], rtol=0, atol=0)
+
+
+def test_one_stage_module_equals_plain_gpt() -> None:
+    """The recipe is the example GPT: same logits and loss after mapping its weights."""
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=2, n_head=2, bias=False)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    pipe = gpt_pipeline(cfg).build()
+    pipe.load_state_dict(gpt_state_to_pipe(gpt.state_dict(), cfg))
+    ids = torch.randint(0, 32, (3, 9))
+    logits, loss = gpt(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(pipe(ids[:, :-1]), logits)
+    torch.testing.assert_close(pipe.batch_loss((ids[:, :-1], ids[:, 1:])), loss)
+    assert len(gpt_layers(cfg)) == cfg.n_layer + 4
+
+
+def test_activation_checkpointing_gives_same_gradients() -> None:
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=3, n_head=2)
+    ids = torch.randint(0, 32, (2, 9))
+    grads = []
+    for interval in (0, 2):
+        m = gpt_pipeline(cfg, activation_checkpoint_interval=interval).build()
+        m.batch_loss((ids[:, :-1], ids[:, 1:])).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, msg=name)
+
+
+def test_single_process_engine_and_errors() -> None:
+    module = PipelineModule([LayerSpec(nn.Linear, 4, 4), lambda x: x * 2, LayerSpec(nn.Linear, 4, 1)], loss_fn=nn.functional.mse_loss)
+    engine = PipelineEngine(module, lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2))
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    ref = PipelineModule([LayerSpec(nn.Linear, 4, 4), lambda x: x * 2, LayerSpec(nn.Linear, 4, 1)], loss_fn=nn.functional.mse_loss).build()
+    expected = nn.functional.mse_loss(ref(x), y)
+    torch.testing.assert_close(engine.train_batch(batch=(x, y)), expected.detach())
+    expected.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p, ref.get_parameter(name), msg=name)
+    with pytest.raises(ValueError, match="tensor #0.*micro_batches=2"):
+        engine.train_batch(batch=(torch.randn(3, 4), torch.randn(3, 1)))
+    with pytest.raises(ValueError, match="pair \\(inputs, labels\\)"):
+        engine.train_batch(batch=x)
+    with pytest.raises(ValueError, match="ran out after 1"):
+        engine.train_batch(iter([(x[:2], y[:2])]))
+    with pytest.raises(RuntimeError, match="stage 0 \\(layers 0..2\\).*input\\[0\\]: float32\\[2, 5\\]"):
+        engine.train_batch(batch=(torch.randn(4, 5), y))
+    with pytest.raises(RuntimeError, match="no forward"):
+        engine.forward(x)
+
+
+def test_loss_must_be_scalar_and_module_must_be_built() -> None:
+    module = PipelineModule([LayerSpec(nn.Linear, 4, 2)])
+    with pytest.raises(RuntimeError, match="not built"):
+        module(torch.zeros(1, 4))
+    module.build()
+    with pytest.raises(ValueError, match="scalar tensor, got a tensor of shape \\(3, 2\\).*loss_fn="):
+        module.batch_loss((torch.zeros(3, 4), None))
+
+
+def test_config_and_constructor_errors() -> None:
+    with pytest.raises(ValueError, match="incompatible with pipeline parallelism.*zero_stage=1"):
+        PipelineConfig(zero_stage=3)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved_1f1b'"):
+        PipelineConfig(virtual_stages=2)
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
+        PipelineConfig(micro_batches=0)
+    with pytest.raises(ValueError, match="schedule must be"):
+        PipelineConfig(schedule="zb")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_stages=3 must divide the world size 4"):
+        PipeGrid.from_world(4, 0, 3)
+    with pytest.raises(ValueError, match="layers is empty"):
+        PipelineModule([])
+    with pytest.raises(ValueError, match="tie key"):
+        PipelineModule([TiedLayerSpec("a.b", nn.Linear, 2, 2)])
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        LayerSpec(torch.relu)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="micro-batch count to be a multiple.*micro_batches=2"):
+        build_schedule("interleaved_1f1b", 2, 1, 2)  # what PipelineEngine(...) raises before touching a process group
+    grid = PipeGrid(pp=2, dp=2, rank=3)
+    assert (grid.stage, grid.dp_rank, grid.pipe_ranks(1), grid.dp_ranks(0)) == (1, 1, [1, 3], [0, 1])
+
+
+def test_structures_round_trip_and_split() -> None:
+    obj = {"h": torch.ones(4, 2), "extra": (torch.zeros(4), 3, None), "mask": torch.ones(4, dtype=torch.bool)}
+    tensors, skeleton = flatten(obj)
+    assert len(tensors) == 3
+    back = unflatten(tensors, skeleton)
+    assert back["extra"][1] == 3 and back["extra"][2] is None and back["mask"].dtype == torch.bool
+    parts = split_microbatches(obj, 2)
+    assert parts[1]["h"].shape == (2, 2) and parts[0]["extra"][1] == 3
+
+
+def test_strategy_is_registered_and_validates_arguments() -> None:
+    import lightning.pytorch as pl
+
+    import zlightning  # noqa: F401  (registers the strategies)
+    from zlightning.strategies import PipelinePrecision, PipelineStrategy
+
+    assert "zstack_pipeline" in pl.strategies.StrategyRegistry
+    with pytest.raises(ValueError, match="unknown partition_method 'balanced'"):
+        PipelineStrategy(partition="balanced")
+    with pytest.raises(ValueError, match="invalid regular expression"):
+        PipelineStrategy(partition="type:(")
+    with pytest.raises(ValueError, match="either config=PipelineConfig"):
+        PipelineStrategy(micro_batches=8, config=PipelineConfig())
+    with pytest.raises(ValueError, match="num_stages"):
+        PipelineStrategy(num_stages=0)
+    with pytest.raises(ValueError, match="'32-true' or 'bf16-mixed'"):
+        PipelinePrecision("16-mixed")  # type: ignore[arg-type]
+    strategy = PipelineStrategy(num_stages=2, micro_batches=8, schedule="gpipe", partition="type:Block")
+    assert strategy.config == PipelineConfig(micro_batches=8, schedule="gpipe")
+
+
+def test_single_process_checkpoint_and_cli_consolidation(tmp_path: Path) -> None:
+    from zlightning.cli import EXTRA_COMMANDS
+    from zlightning.pipe import consolidate_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=2, n_head=2)
+    engine = PipelineEngine(gpt_pipeline(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-2), PipelineConfig(micro_batches=2))
+    ids = torch.randint(0, 32, (4, 9))
+    engine.train_batch(batch=(ids[:, :-1], ids[:, 1:]))
+    save_pipeline_checkpoint(engine, tmp_path / "ckpt", client_state={"epoch": 1})
+    state = consolidate_pipeline_checkpoint(tmp_path / "ckpt")
+    assert state.keys() == engine.module.state_dict().keys()
+    EXTRA_COMMANDS["consolidate"]([str(tmp_path / "ckpt"), str(tmp_path / "model.pt")])
+    for name, value in torch.load(tmp_path / "model.pt").items():
+        torch.testing.assert_close(value, engine.module.state_dict()[name], rtol=0, atol=0, msg=name)
+    other = PipelineEngine(PipelineModule([LayerSpec(nn.Linear, 2, 2) for _ in range(4)]))
+    with pytest.raises(ValueError, match="holds 6 layers but the PipelineModule has 4"):
+        load_pipeline_checkpoint(other, tmp_path / "ckpt")

@@ -1,0 +1,394 @@
+"""``PipelineEngine``: runs a ``PipelineModule`` over a DP x PP grid with a schedule (``train_batch``/``eval_batch``).
+
+[Note: gradients across Lightning's zero_grad]
+Lightning's closure runs ``training_step``, then ``optimizer.zero_grad()`` (first batch of an accumulation window),
+then ``backward``. A pipeline's backward happens inside ``training_step`` (the schedule interleaves it with
+forwards), so that ``zero_grad`` would erase it. With ``stash_gradients`` the engine moves the fresh gradients aside
+at the end of the schedule and the strategy's ``backward`` adds them back (``restore_gradients``).
+
+[Note: one batch]
+``train_batch`` pulls ``micro_batches`` items ``(inputs, labels)`` from the iterator (or splits one batch along dim 0),
+runs this rank's lowered schedule (``BatchRun``), then: all-reduces tied gradients across the owning stages, averages
+gradients over the data-parallel group, clips by the global norm of the whole model, steps the optimizer (ZeRO-1:
+only owned parameters, then broadcast), and zeroes gradients. Every micro-batch loss is scaled by
+``1 / (micro_batches * accumulation)`` before backward, so gradients are those of the mean loss of the global batch,
+equal to a one-process run on the concatenated batch. The returned loss is the mean over micro-batches and
+data-parallel replicas, identical on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zlightning.pipe._executor import BatchRun
+from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum, global_grad_norm
+from zlightning.pipe._module import PipelineModule
+from zlightning.pipe._p2p import P2P, flatten, unflatten
+from zlightning.pipe._schedule import Schedule, build_schedule
+from zlightning.pipe._topology import PipeGrid, PipeGroups
+
+__all__ = ["PipelineConfig", "PipelineEngine", "split_microbatches"]
+
+ScheduleName = Literal["1f1b", "gpipe", "interleaved_1f1b"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Engine knobs. Validated on construction.
+
+    Raises:
+        ValueError: a size below its minimum, an unknown schedule, virtual stages without ``interleaved_1f1b``, or
+            ZeRO stage 2/3 (incompatible with pipelining: gradients must stay whole until the end of the batch).
+    """
+
+    micro_batches: int = 4
+    """Micro-batches per batch (DeepSpeed's ``gradient_accumulation_steps``)."""
+    schedule: ScheduleName = "1f1b"
+    """Order of work: ``1f1b`` (PipeDream-Flush), ``gpipe`` (all forwards, then all backwards), ``interleaved_1f1b``."""
+    virtual_stages: int | None = None
+    """Model chunks per rank; default 2 for ``interleaved_1f1b``, else 1."""
+    zero_stage: int = 0
+    """0, or 1 to shard optimizer state over the data-parallel group."""
+    gradient_clipping: float = 0.0
+    """Clip by global norm (0: off). Used by ``train_batch``; Lightning passes ``Trainer(gradient_clip_val)``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"PipelineConfig: micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.schedule not in ("1f1b", "gpipe", "interleaved_1f1b"):
+            raise ValueError(f"PipelineConfig: schedule must be '1f1b', 'gpipe' or 'interleaved_1f1b', got {self.schedule!r}")
+        v = self.virtual_stages
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"PipelineConfig: virtual_stages must be None or an int >= 1, got {v!r}")
+        if v not in (None, 1) and self.schedule != "interleaved_1f1b":
+            raise ValueError(f"PipelineConfig: virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})")
+        if self.zero_stage in (2, 3):
+            raise ValueError(
+                f"PipelineConfig: zero_stage={self.zero_stage} is incompatible with pipeline parallelism (gradients "
+                "accumulate over all micro-batches of a batch); use zero_stage=1 to shard optimizer state"
+            )
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"PipelineConfig: zero_stage must be 0 or 1, got {self.zero_stage!r}")
+        if self.gradient_clipping < 0:
+            raise ValueError(f"PipelineConfig: gradient_clipping must be >= 0, got {self.gradient_clipping}")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule == "interleaved_1f1b" else 1
+
+
+def split_microbatches(obj: Any, n: int, what: str = "batch") -> list[Any]:
+    """Splits every tensor of a structure into ``n`` equal chunks along dim 0.
+
+    Raises:
+        ValueError: a tensor's dim 0 is not divisible by ``n``, or tensors disagree on it.
+    """
+    tensors, skeleton = flatten(obj)
+    if not tensors:
+        return [obj] * n
+    for i, t in enumerate(tensors):
+        if t.dim() == 0 or t.shape[0] % n:
+            size = "a scalar" if t.dim() == 0 else f"dim 0 of size {t.shape[0]}"
+            raise ValueError(
+                f"cannot split {what} tensor #{i} (shape {list(t.shape)}, {size}) into micro_batches={n} equal parts; "
+                f"make the batch size a multiple of {n}"
+            )
+    pieces = [t.chunk(n) for t in tensors]
+    return [unflatten([p[m] for p in pieces], skeleton) for m in range(n)]
+
+
+def _unpack(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        f"a pipeline batch must be a pair (inputs, labels), got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        + "; use (inputs, None) when the model computes its own loss"
+    )
+
+
+class PipelineEngine:
+    """Trains and evaluates a ``PipelineModule`` over ``num_stages x (world // num_stages)`` ranks.
+
+    Builds only this rank's stage(s) of ``module``, creates the pipe / data / tie process groups, makes tied copies
+    and data-parallel replicas identical (broadcast), and checks the schedule with the simulator before any run.
+    Direct ``forward``/``backward``/``step`` are not offered: use ``train_batch``/``eval_batch`` (as DeepSpeed).
+
+    Args:
+        module: the model; built here if it is not yet.
+        optimizer: an optimizer over ``module.parameters()`` (after building) or a factory
+            ``optimizer(params) -> Optimizer``; None for evaluation only.
+        config: schedule, micro-batches, ZeRO-1, clipping.
+        num_stages: pipeline ranks; default ``module.num_stages``, else the world size.
+        device: where this rank's layers live; default ``cuda:LOCAL_RANK`` with CUDA, else CPU.
+
+    Raises:
+        ValueError: the world size is not a multiple of ``num_stages``, the layers cannot be split, or the schedule
+            needs more micro-batches.
+    """
+
+    def __init__(
+        self,
+        module: PipelineModule,
+        optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        config: PipelineConfig = PipelineConfig(),
+        *,
+        num_stages: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"PipelineEngine needs a zlightning.pipe.PipelineModule, got {type(module).__name__}")
+        if not isinstance(config, PipelineConfig):
+            raise TypeError(f"PipelineEngine(config=...) expects a PipelineConfig, got {type(config).__name__}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        pp = num_stages or module.num_stages or world
+        self.grid = PipeGrid.from_world(world, rank, pp)
+        self.config = config
+        self.device = torch.device(device) if device is not None else _default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL point-to-point picks the current device
+        v = config.chunks_per_rank
+        self.train_schedule: Schedule = build_schedule(config.schedule, pp, config.micro_batches, v)
+        self.eval_schedule: Schedule = build_schedule("inference", pp, config.micro_batches, v)
+        self.module = module
+        stages = self.train_schedule.stages_of(self.grid.stage)
+        module.build(stages, pp * v, self.device)
+        self.groups = PipeGroups.build(self.grid, module.tie_owners(module.bounds or [], pp))
+        self.p2p = P2P(self.device)
+        self._sync_replicas()
+        is_factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+        self.optimizer = optimizer(module.parameters()) if is_factory else optimizer
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.zero1: Zero1Sharding | None = None
+        if config.zero_stage == 1:
+            self.zero1 = Zero1Sharding.plan(params, self.grid.dp, self.grid.dp_rank, self.grid.dp_ranks(self.grid.stage), self.groups.data)
+        self.loss_scale_factor = 1.0
+        """Extra loss multiplier (Lightning sets ``1 / accumulate_grad_batches``)."""
+        self.stash_gradients = False
+        """Move gradients aside after each ``forward_backward`` until ``restore_gradients``; see
+        [Note: gradients across Lightning's zero_grad]."""
+        self._stash: dict[nn.Parameter, torch.Tensor] = {}
+        self.timings: list[tuple[str, float, float]] | None = None
+        """Set to a list to record ``(action, start, end)`` of every compute action of the following runs."""
+        module.runner = self
+
+    # ------------------------------------------------------------------------------------------ setup
+    @property
+    def is_first_stage(self) -> bool:
+        return self.grid.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.grid.stage == self.grid.pp - 1
+
+    def _tied_duplicates(self) -> set[int]:
+        """Ids of tied parameters whose gradient norm is counted on another (lower) owning stage."""
+        out: set[int] = set()
+        for key, src in self.groups.tied_src.items():
+            if src != self.grid.rank:
+                out |= {id(p) for p in self.module.tied_parameters(key)}
+        return out
+
+    @torch.no_grad()
+    def _sync_replicas(self) -> None:
+        if not dist.is_initialized():
+            return
+        for key, group in self.groups.tied.items():
+            if group is not None:
+                for p in self.module.tied_parameters(key):
+                    dist.broadcast(p.data, src=self.groups.tied_src[key], group=group)
+        if self.grid.dp > 1:
+            src = self.grid.global_rank(self.grid.stage, 0)
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src=src, group=self.groups.data)
+
+    # ------------------------------------------------------------------------------------------ schedule runs
+    def _run(self, schedule: Schedule, inputs: list[Any], labels: list[Any], *, keep: bool, with_loss: bool) -> BatchRun:
+        peers = self.grid.pipe_ranks(self.grid.dp_rank)
+        run = BatchRun(
+            self.module, schedule, self.grid.stage, self.p2p, peers,
+            [_to(x, self.device) for x in inputs], [_to(y, self.device) for y in labels],
+            loss_scale=self.loss_scale_factor / schedule.num_microbatches, keep_outputs=keep, with_loss=with_loss,
+            timings=self.timings,
+        )
+        run.run()
+        return run
+
+    def _mean_loss(self, run: BatchRun) -> torch.Tensor:
+        """Mean micro-batch loss of the last stage, broadcast over the pipe group and averaged over replicas."""
+        if self.is_last_stage:
+            loss = torch.stack(run.losses).mean().float() if run.losses else torch.zeros((), device=self.device)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if dist.is_initialized():
+            dist.broadcast(loss, src=self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank), group=self.groups.pipe)
+            if self.grid.dp > 1:
+                dist.all_reduce(loss, group=self.groups.data)
+                loss /= self.grid.dp
+        return loss
+
+    def _microbatches(self, batch: Any, data_iter: Iterator[Any] | None) -> tuple[list[Any], list[Any]]:
+        m = self.config.micro_batches
+        if (batch is None) == (data_iter is None):
+            raise ValueError("pass exactly one of data_iter= (yields micro-batches) or batch= (split into micro-batches)")
+        if data_iter is not None:
+            items = []
+            for i in range(m):
+                try:
+                    items.append(_unpack(next(data_iter)))
+                except StopIteration:
+                    raise ValueError(f"data_iter ran out after {i} of micro_batches={m} items") from None
+            return [x for x, _ in items], [y for _, y in items]
+        inputs, labels = _unpack(batch)
+        return split_microbatches(inputs, m, "input"), split_microbatches(labels, m, "label") if labels is not None else [None] * m
+
+    def forward_backward(self, batch: Any = None, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Runs the training schedule (forwards and backwards, gradients accumulate in ``.grad``); no reduction or
+        step. Returns the mean loss (same on every rank)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch/forward_backward need grad mode; call eval_batch under torch.no_grad()")
+        self.module.train()
+        inputs, labels = self._microbatches(batch, data_iter)
+        before: dict[nn.Parameter, torch.Tensor | None] = {}
+        if self.stash_gradients:  # run on empty .grad so only this batch's gradients get stashed
+            before = {p: p.grad for p in self.module.parameters()}
+            for p in before:
+                p.grad = None
+        loss = self._mean_loss(self._run(self.train_schedule, inputs, labels, keep=False, with_loss=True))
+        if self.stash_gradients:
+            for p, old in before.items():
+                if p.grad is not None:
+                    self._stash[p] = p.grad if p not in self._stash else self._stash[p] + p.grad
+                p.grad = old
+        return loss
+
+    def restore_gradients(self) -> None:
+        """Adds the stashed gradients back into ``.grad`` (see ``stash_gradients``)."""
+        for p, g in self._stash.items():
+            p.grad = g if p.grad is None else p.grad + g
+        self._stash.clear()
+
+    def run_batch(self, batch: Any) -> torch.Tensor:
+        """``PipelineModule.batch_loss``: training schedule when grad mode is on and the module trains, else eval."""
+        if torch.is_grad_enabled() and self.module.training:
+            return self.forward_backward(batch)
+        return self.eval_batch(batch=batch)
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None, *, batch: Any = None) -> torch.Tensor:
+        """One optimizer step on ``micro_batches`` micro-batches; see [Note: one batch]. Returns the mean loss.
+
+        Raises:
+            RuntimeError: no optimizer, or grad mode is off.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("PipelineEngine.train_batch needs an optimizer; pass optimizer= to PipelineEngine")
+        loss = self.forward_backward(batch, data_iter)
+        self.reduce_gradients()
+        if self.config.gradient_clipping > 0:
+            self.clip_grad_norm_(self.config.gradient_clipping)
+        self.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator[Any] | None = None, *, batch: Any = None, return_logits: bool = False) -> Any:
+        """Mean loss over ``micro_batches`` micro-batches with the inference schedule (no gradients). With
+        ``return_logits`` returns ``(loss, outputs)``; the outputs (concatenated along dim 0) only on the last stage,
+        None elsewhere."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            inputs, labels = self._microbatches(batch, data_iter)
+            run = self._run(self.eval_schedule, inputs, labels, keep=return_logits, with_loss=True)
+            loss = self._mean_loss(run)
+        finally:
+            self.module.train(was_training)
+        if not return_logits:
+            return loss
+        return loss, (_concat([run.outputs[m] for m in sorted(run.outputs)]) if self.is_last_stage else None)
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """Outputs of the model for ``inputs`` (split into micro-batches), returned on every rank of the pipe group."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            m = self.config.micro_batches
+            run = self._run(self.eval_schedule, split_microbatches(inputs, m, "input"), [None] * m, keep=True, with_loss=False)
+        finally:
+            self.module.train(was_training)
+        out = [_concat([run.outputs[i] for i in sorted(run.outputs)]) if self.is_last_stage else None]
+        if dist.is_initialized() and self.grid.pp > 1:
+            out = [_to(out[0], "cpu")]
+            dist.broadcast_object_list(out, src=self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank), group=self.groups.pipe)
+        return _to(out[0], self.device)
+
+    # ------------------------------------------------------------------------------------------ gradients and step
+    def _grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        return [p.grad for p in params if p.grad is not None]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Sums tied gradients over their owning stages, then averages all gradients over data-parallel replicas."""
+        for key, group in self.groups.tied.items():
+            allreduce_sum(self._grads(self.module.tied_parameters(key)), group)
+        allreduce_mean(self._grads(self.module.parameters()), self.groups.data, self.grid.dp)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scales all gradients by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` over the whole model (every stage,
+        tied weights once). Call after ``reduce_gradients``. Returns the norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = global_grad_norm(params, self._tied_duplicates(), self.groups.pipe)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+    def before_step(self) -> None:
+        """ZeRO-1: drop gradients of parameters another replica steps."""
+        if self.zero1 is not None:
+            self.zero1.drop_foreign_grads()
+
+    def after_step(self) -> None:
+        """ZeRO-1: broadcast each parameter from the replica that stepped it."""
+        if self.zero1 is not None:
+            self.zero1.broadcast_from_owners()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.before_step()
+        optimizer.step()
+        self.after_step()
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("PipelineEngine has no forward(); use train_batch(data_iter) or eval_batch(data_iter)")
+
+    backward = forward
+
+
+def _to(obj: Any, device: torch.device | str) -> Any:
+    tensors, skeleton = flatten(obj)
+    return unflatten([t.to(device) for t in tensors], skeleton) if tensors else obj
+
+
+def _concat(parts: list[Any]) -> Any:
+    if parts and all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    return parts
+
+
+def _default_device() -> torch.device:
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

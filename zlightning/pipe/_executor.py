@@ -1,0 +1,173 @@
+"""Interpreting one rank's lowered schedule for one batch (no decisions about order; see ``_schedule.py``).
+
+[Note: stage boundaries are detached]
+Every stage input is a leaf: received tensors are fresh buffers, and when two consecutive stages share a rank (one
+pipeline rank with virtual stages) the output of the first is detached before the second consumes it. So a
+``B`` action backpropagates through exactly one stage, and the gradient of its inputs is handed on explicitly,
+whether by ``SEND_B`` or in memory. Floating inputs that required grad on the producing side require grad here; an
+input that receives no gradient (unused) sends zeros so the pairing of sends and receives never depends on autograd.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zlightning.pipe._module import PipelineModule
+from zlightning.pipe._p2p import P2P, TensorMeta, flatten, unflatten
+from zlightning.pipe._schedule import Action, ActionKind, Schedule
+
+__all__ = ["BatchRun", "describe"]
+
+
+def describe(obj: Any) -> str:
+    """``input[0]: float32[2, 16, 32], input[1]: int64[2]`` for a structure of tensors."""
+    tensors, _ = flatten(obj)
+    return ", ".join(f"input[{i}]: {str(t.dtype).replace('torch.', '')}{list(t.shape)}" for i, t in enumerate(tensors))
+
+
+def _detach_boundary(obj: Any) -> Any:
+    tensors, skeleton = flatten(obj)
+    out = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in tensors]
+    return unflatten(out, skeleton)
+
+
+@dataclass
+class BatchRun:
+    """State of one batch on one rank: inputs, outputs and gradients per ``(stage, micro-batch)``."""
+
+    module: PipelineModule
+    schedule: Schedule
+    rank: int
+    """This rank's pipeline index."""
+    p2p: P2P
+    peers: list[int]
+    """Global rank of each pipeline index."""
+    inputs: list[Any]
+    """Micro-batch inputs (used by stage 0)."""
+    labels: list[Any]
+    """Micro-batch labels (used by the last stage)."""
+    loss_scale: float = 1.0
+    """Multiplier of each micro-batch loss before backward (1 / (micro-batches x accumulation))."""
+    keep_outputs: bool = False
+    """Keep the last stage's outputs (prediction, ``return_logits``)."""
+    with_loss: bool = True
+    """Compute the loss on the last stage (False for prediction)."""
+    timings: list[tuple[str, float, float]] | None = None
+    """If a list, each compute action appends ``(action, start, end)`` (``time.perf_counter``; CPU clocks, so on CUDA
+    the spans cover launch time unless the device is synchronised). Used by the benchmark's bubble measurement."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    _x: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _y: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _loss: dict[int, torch.Tensor] = field(default_factory=dict)
+    _metas: dict[tuple[int, int], list[TensorMeta]] = field(default_factory=dict)
+    _dy: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    _dx: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def last(self) -> int:
+        return self.schedule.num_stages - 1
+
+    def run(self) -> None:
+        handlers = {
+            ActionKind.FORWARD: self._forward,
+            ActionKind.BACKWARD: self._backward,
+            ActionKind.SEND_F: self._send_f,
+            ActionKind.RECV_F: self._recv_f,
+            ActionKind.SEND_B: self._send_b,
+            ActionKind.RECV_B: self._recv_b,
+        }
+        try:
+            for action in self.schedule.programs[self.rank]:
+                if self.timings is not None and action.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                    start = time.perf_counter()
+                    handlers[action.kind](action)
+                    self.timings.append((str(action), start, time.perf_counter()))
+                else:
+                    handlers[action.kind](action)
+        finally:
+            self.p2p.wait()
+
+    def _peer(self, stage: int) -> int:
+        return self.peers[self.schedule.rank_of(stage)]
+
+    # ---------------------------------------------------------------------------------------- forward
+    def _forward(self, a: Action) -> None:
+        s, m = a.stage, a.microbatch
+        if s == 0:
+            x = self.inputs[m]
+        elif (s, m) in self._x:
+            x = self._x[(s, m)]  # received
+        else:
+            x = _detach_boundary(self._y[(s - 1, m)])  # previous stage on this rank
+            self._x[(s, m)] = x
+        if s == 0:
+            self._x[(s, m)] = x
+        try:
+            y = self.module.run_stage(s, x)
+        except Exception as e:
+            layers = self.module.stage_layers(s)
+            raise RuntimeError(
+                f"pipeline stage {s} (layers {layers.start}..{layers.stop - 1}) failed in the forward of micro-batch "
+                f"{m} with {describe(x) or 'no tensor inputs'}: {type(e).__name__}: {e}. Check that the previous stage's "
+                "output matches what this stage's first layer expects"
+            ) from e
+        if s == self.last:
+            if self.with_loss:
+                loss = self.module.compute_loss(y, self.labels[m])
+                self._loss[m] = loss
+                self.losses.append(loss.detach())
+            if self.keep_outputs:
+                self.outputs[m] = y.detach() if isinstance(y, torch.Tensor) else y
+        if s != self.last or self.schedule.training:
+            self._y[(s, m)] = y
+        if not self.schedule.training:
+            self._x.pop((s, m), None)
+
+    def _send_f(self, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        self._metas[key] = self.p2p.send(self._y[key], self._peer(a.stage + 1))
+        if not self.schedule.training:
+            del self._y[key]
+
+    def _recv_f(self, a: Action) -> None:
+        self._x[(a.stage, a.microbatch)] = self.p2p.recv(self._peer(a.stage - 1))
+
+    # ---------------------------------------------------------------------------------------- backward
+    def _backward(self, a: Action) -> None:
+        s, m = a.stage, a.microbatch
+        if s == self.last:
+            loss = self._loss.pop(m)
+            (loss * self.loss_scale).backward()
+        else:
+            outs, _ = flatten(self._y[(s, m)])
+            wanted = [t for t in outs if t.requires_grad and t.is_floating_point()]
+            grads = self._dy.pop((s, m)) if (s, m) in self._dy else self._dx.pop((s + 1, m))
+            if len(grads) != len(wanted):
+                raise AssertionError(f"stage {s} mb {m}: {len(grads)} gradients for {len(wanted)} outputs")
+            for i, (t, g) in enumerate(zip(wanted, grads)):
+                if t.shape != g.shape:
+                    raise RuntimeError(
+                        f"pipeline stage {s}: gradient for output tensor {i} of micro-batch {m} has shape "
+                        f"{list(g.shape)} but the output has shape {list(t.shape)}"
+                    )
+            if wanted:
+                torch.autograd.backward(wanted, grads)
+        self._y.pop((s, m), None)
+        x = self._x.pop((s, m))
+        if s > 0:
+            ins, _ = flatten(x)
+            self._dx[(s, m)] = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in ins if t.requires_grad and t.is_floating_point()
+            ]
+
+    def _send_b(self, a: Action) -> None:
+        self.p2p.send_grads(self._dx.pop((a.stage, a.microbatch)), self._peer(a.stage - 1))
+
+    def _recv_b(self, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        self._dy[key] = self.p2p.recv_grads(self._metas.pop(key), self._peer(a.stage + 1))

@@ -1,0 +1,297 @@
+"""``PipelineModule``: a model described as a list of layers, split into stages, built lazily per rank.
+
+[Note: lazy building]
+DeepSpeed's ``PipelineModule`` builds its stage in the constructor (so it needs an initialised process group there)
+and, with ``partition_method='parameters'``, instantiates every layer on every rank once to count parameters. Here
+the constructor only validates and stores the specs; ``build(stage ids)`` materialises just the layers of the
+requested stages, and parameter counting builds each ``LayerSpec`` on the ``meta`` device (no memory, no RNG use).
+``PipelineEngine`` (or ``Trainer(strategy="zstack_pipeline")``) calls ``build``; a one-stage ``build()`` gives the
+whole model in one process, which is what a single-process reference run uses.
+
+[Note: seeding layers]
+With ``seed_layers=True`` (the default here, DeepSpeed's default is False) layer ``i`` is built under
+``torch.manual_seed(base_seed + i)`` inside a forked RNG, so its initial weights do not depend on which rank builds
+it or how the model is split: a pipeline run starts from exactly the weights of a one-process run, and resharding to
+another stage count changes nothing numerically. A tie group is seeded by its first position.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zlightning.pipe._partition import layer_weights, partition_balanced, partition_uniform
+from zlightning.pipe._spec import LayerSpec, TiedLayerSpec
+
+__all__ = ["PipelineModule"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _layer_name(layer: Any) -> str:
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", type(layer).__name__)
+
+
+class PipelineModule(nn.Module):
+    """A sequential model split into pipeline stages (same constructor as DeepSpeed's ``PipelineModule``).
+
+    The layers are applied in order: ``x = layer(x)``; each layer's output (a tensor, or a tuple/list/dict of tensors)
+    is the next layer's input. On the last stage ``loss_fn(outputs, labels)`` gives the loss (without ``loss_fn`` the
+    output is the loss).
+
+    Args:
+        layers: ``LayerSpec``/``TiedLayerSpec`` (built lazily), ``nn.Module`` instances, or plain callables.
+        loss_fn: ``loss_fn(outputs, labels) -> scalar tensor`` run on the last stage.
+        num_stages: pipeline stages; None lets the engine/strategy decide (its ``num_stages``).
+        partition_method: ``"parameters"`` (balance trainable parameter counts), ``"uniform"`` (balance layer
+            counts) or ``"type:REGEX"`` (balance layers whose class name matches REGEX, case-insensitive).
+        activation_checkpoint_interval: recompute every ``k`` consecutive local layers in backward (0: off). A block
+            is checkpointed if one of its layers has parameters, or, with ``checkpointable_layers``, if one of its
+            layers' class names is listed.
+        checkpointable_layers: class names eligible for activation checkpointing.
+        seed_layers: seed each layer's construction by its index; see [Note: seeding layers].
+        base_seed: seed of layer 0.
+
+    Raises:
+        ValueError: empty ``layers``, a nested ``PipelineModule``, a bad tie key, a negative interval, or an unknown
+            ``partition_method``.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec | nn.Module | Callable[..., Any]],
+        loss_fn: LossFn | None = None,
+        num_stages: int | None = None,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        checkpointable_layers: Sequence[str] | None = None,
+        seed_layers: bool = True,
+        base_seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        self._check_args(layers, num_stages, partition_method, activation_checkpoint_interval)
+        self.specs: list[Any] = list(layers)
+        self.loss_fn = loss_fn
+        self.num_stages = num_stages
+        self.partition_method = partition_method
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.checkpointable_layers = tuple(checkpointable_layers) if checkpointable_layers is not None else None
+        self.seed_layers = seed_layers
+        self.base_seed = base_seed
+        self.tied_modules = nn.ModuleDict()
+        self.bounds: list[int] | None = None  # num_stages_total + 1 boundaries, set by build
+        self.local_stages: tuple[int, ...] = ()
+        self._funcs: dict[int, Callable[[Any], Any]] = {}
+        self.runner: Any = None  # the PipelineEngine driving this module (batch_loss/predict go through it)
+
+    @staticmethod
+    def _check_args(layers: Sequence[Any], num_stages: int | None, method: str, interval: int) -> None:
+        if len(layers) == 0:
+            raise ValueError("PipelineModule: layers is empty; give at least one LayerSpec, module or callable")
+        for i, layer in enumerate(layers):
+            if isinstance(layer, PipelineModule):
+                raise ValueError(f"PipelineModule: layer {i} is itself a PipelineModule; nesting is not supported")
+            if isinstance(layer, TiedLayerSpec) and not _KEY_RE.match(layer.key):
+                raise ValueError(f"PipelineModule: tie key {layer.key!r} of layer {i} must be a Python identifier")
+            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+                raise ValueError(f"PipelineModule: layer {i} ({layer!r}) is not a LayerSpec, nn.Module or callable")
+        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1):
+            raise ValueError(f"PipelineModule: num_stages must be None or an int >= 1, got {num_stages!r}")
+        if not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {interval!r}")
+        layer_weights(method, [_layer_name(x) for x in layers], [0] * len(layers))  # validates the method name
+
+    # ------------------------------------------------------------------------------------------ partitioning (pure)
+    def _numel(self, layer: Any, seen_keys: set[str]) -> int:
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key in seen_keys:
+                return 0  # counted at its first position
+            seen_keys.add(layer.key)
+        module = layer.build("meta") if isinstance(layer, LayerSpec) else layer
+        if not isinstance(module, nn.Module):
+            return 0
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    def partition(self, total_stages: int) -> list[int]:
+        """Layer boundaries of ``total_stages`` contiguous stages (``total_stages + 1`` indices).
+
+        Raises:
+            ValueError: fewer layers than stages.
+        """
+        n = len(self.specs)
+        if n < total_stages:
+            raise ValueError(
+                f"PipelineModule has {n} layers, which cannot be split into {total_stages} stages "
+                f"(each stage needs at least one layer); use at most {n} stages or split the model into more layers"
+            )
+        seen: set[str] = set()
+        numels = [self._numel(layer, seen) for layer in self.specs]
+        weights = layer_weights(self.partition_method, [_layer_name(x) for x in self.specs], numels)
+        if weights is None:
+            return partition_uniform(n, total_stages)
+        return partition_balanced(weights, total_stages)
+
+    def tie_owners(self, bounds: Sequence[int], num_ranks: int) -> dict[str, list[int]]:
+        """Per tie key, the pipeline ranks holding one of its positions (stage ``s`` is on rank ``s % num_ranks``)."""
+        owners: dict[str, list[int]] = {}
+        for s in range(len(bounds) - 1):
+            for idx in range(bounds[s], bounds[s + 1]):
+                spec = self.specs[idx]
+                if isinstance(spec, TiedLayerSpec):
+                    rank = s % num_ranks
+                    if rank not in owners.setdefault(spec.key, []):
+                        owners[spec.key].append(rank)
+        return owners
+
+    # ------------------------------------------------------------------------------------------ building
+    @property
+    def is_built(self) -> bool:
+        return self.bounds is not None
+
+    def build(
+        self, stages: Sequence[int] = (0,), total_stages: int = 1, device: torch.device | str | None = None
+    ) -> PipelineModule:
+        """Materialises the layers of ``stages`` (of ``total_stages``) on ``device``. Idempotent for the same split.
+
+        Raises:
+            RuntimeError: already built for another split.
+            ValueError: the layers cannot be split into ``total_stages``.
+        """
+        bounds = self.partition(total_stages)
+        if self.bounds is not None:
+            if self.bounds != bounds or tuple(stages) != self.local_stages:
+                raise RuntimeError(
+                    f"PipelineModule is already built for stages {self.local_stages} of {len(self.bounds) - 1}; "
+                    "build a fresh PipelineModule for another split"
+                )
+            return self
+        self.bounds, self.local_stages = bounds, tuple(stages)
+        for s in stages:
+            for idx in range(bounds[s], bounds[s + 1]):
+                self._build_layer(idx, device)
+        return self
+
+    def _seeded(self, idx: int, make: Callable[[], nn.Module]) -> nn.Module:
+        if not self.seed_layers:
+            return make()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.base_seed + idx)
+            return make()
+
+    def _build_layer(self, idx: int, device: torch.device | str | None) -> None:
+        spec = self.specs[idx]
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied_modules:
+                first = next(i for i, x in enumerate(self.specs) if isinstance(x, TiedLayerSpec) and x.key == spec.key)
+                self.tied_modules[spec.key] = self._seeded(first, lambda: spec.build(device))
+            module = self.tied_modules[spec.key]
+            fn = spec.forward_fn
+            self._funcs[idx] = (lambda x, m=module, f=fn: f(m, x)) if fn is not None else module
+        elif isinstance(spec, LayerSpec):
+            module = self._seeded(idx, lambda: spec.build(device))
+            self.add_module(str(idx), module)
+            self._funcs[idx] = module
+        elif isinstance(spec, nn.Module):
+            self.add_module(str(idx), spec if device is None else spec.to(device))
+            self._funcs[idx] = spec
+        else:
+            self._funcs[idx] = spec
+
+    def stage_layers(self, stage: int) -> range:
+        if self.bounds is None:
+            raise RuntimeError("PipelineModule is not built yet")
+        return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def tied_parameters(self, key: str) -> list[nn.Parameter]:
+        """The shared parameters of tie group ``key`` on this rank (``tied_weight_attr`` of its specs)."""
+        spec = next(x for x in self.specs if isinstance(x, TiedLayerSpec) and x.key == key)
+        module = self.tied_modules[key]
+        return [module.get_parameter(name) for name in spec.tied_weight_attr]
+
+    # ------------------------------------------------------------------------------------------ running
+    def _checkpointable(self, indices: Sequence[int]) -> bool:
+        for idx in indices:
+            f = self._funcs[idx]
+            module = f if isinstance(f, nn.Module) else None
+            spec = self.specs[idx]
+            if isinstance(spec, TiedLayerSpec):
+                module = self.tied_modules[spec.key]
+            if self.checkpointable_layers is not None:
+                if _layer_name(spec) in self.checkpointable_layers:
+                    return True
+            elif module is not None and any(True for _ in module.parameters()):
+                return True
+        return False
+
+    def run_stage(self, stage: int, x: Any) -> Any:
+        """Applies the layers of ``stage`` to ``x`` (with activation checkpointing when enabled and training)."""
+        indices = list(self.stage_layers(stage))
+        k = self.activation_checkpoint_interval
+        if k <= 0 or not (self.training and torch.is_grad_enabled()):
+            return self._run(indices, x)
+        for start in range(0, len(indices), k):
+            block = indices[start : start + k]
+            if self._checkpointable(block):
+                x = checkpoint(self._run, block, x, use_reentrant=False)
+            else:
+                x = self._run(block, x)
+        return x
+
+    def _run(self, indices: Sequence[int], x: Any) -> Any:
+        for idx in indices:
+            x = self._funcs[idx](x)
+        return x
+
+    def forward(self, inputs: Any) -> Any:
+        """Applies all layers of a module built as one stage (``build()``); pipelined runs use the engine.
+
+        Raises:
+            RuntimeError: not built, or this rank holds only part of the model.
+        """
+        if self.bounds is None:
+            raise RuntimeError(
+                "PipelineModule is not built: wrap it in zlightning.pipe.PipelineEngine, train it with "
+                "Trainer(strategy='zstack_pipeline'), or call .build() for a one-process model"
+            )
+        if len(self.bounds) != 2:
+            raise RuntimeError(
+                f"this rank holds stages {self.local_stages} of {len(self.bounds) - 1}; forward() of a partial model "
+                "is not defined: use batch_loss(batch) / predict(inputs), which run the pipeline schedule"
+            )
+        return self.run_stage(0, inputs)
+
+    def compute_loss(self, outputs: Any, labels: Any) -> torch.Tensor:
+        loss = self.loss_fn(outputs, labels) if self.loss_fn is not None else outputs
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"the pipeline loss must be a scalar tensor, got {what}"
+                + ("" if self.loss_fn is not None else "; pass loss_fn= or make the last layer return the loss")
+            )
+        return loss.reshape(())
+
+    def batch_loss(self, batch: Any) -> torch.Tensor:
+        """Mean loss of a batch ``(inputs, labels)``: runs the attached engine's schedule (training schedule with the
+        backward pass included when grad mode is on and the module is training, else the inference schedule); on a
+        one-stage module without an engine, a plain forward. The value is the same on every rank."""
+        if self.runner is not None:
+            return self.runner.run_batch(batch)
+        inputs, labels = batch
+        return self.compute_loss(self(inputs), labels)
+
+    def predict(self, inputs: Any) -> Any:
+        """Outputs of the last layer for ``inputs`` (inference schedule), returned on every rank."""
+        if self.runner is not None:
+            return self.runner.predict(inputs)
+        with torch.no_grad():
+            return self(inputs)
