@@ -1,10 +1,7 @@
-"""Context-parallel attention and GPT training under the hybrid-CP wrapper (issue 8), on 2 and 4 gloo ranks.
+"""Context-parallel attention for the hybrid-CP wrapper (issue 8): single-process parts and the block helpers.
 
-One spawn per world size checks (a) CP attention forward and backward against full-sequence causal SDPA for every
-aligned block, and (b) training parity: the example GPT trained for a few SGD steps on wrapper batches (CP sizes up
-to the world size, loss-masked, per-token normalised) matches single-process training on the same global batches in
-losses, first-step gradients and final parameters (fp32, rtol 1e-5). World 4 runs two ranks per data replica and the
-lockstep (ZeRO-safe) micro-step plan.
+The 2- and 4-rank checks (CP attention against full-sequence causal SDPA on every aligned block, GPT training parity)
+run in `test_hybrid_cp_distributed.py`, one spawn per world size; `_reference` and `_run_block` here serve both.
 """
 
 from __future__ import annotations
@@ -19,20 +16,14 @@ import torch.nn.functional as F
 from examples.gpt_model import GPT, GPTConfig
 from zlightning.datamodules import (
     CPShard,
-    HybridCPConfig,
-    HybridCPDataLoaderWrapper,
     HybridCPGroups,
     cp_attention,
     cp_causal_attention,
     gpt_cp_logits,
     gpt_cp_loss,
-    hybrid_cp_forward_backward,
-    unpack_packed_batch,
     zigzag_shard,
 )
-from zlightning.datamodules.hybrid_cp_model import global_token_count, gpt_pad_loss, lockstep_plan
 from zlightning.datamodules.hybrid_cp_wrapper import zigzag_positions
-from zlightning.testing import run_distributed
 
 B, H, D = 2, 3, 4
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -64,187 +55,6 @@ def _run_block(shard: CPShard, length: int, seed: int, via_mode: bool) -> dict[s
         out = cp_causal_attention(q, k, v, shard)
     out.backward(dy)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-
-
-def _cases(world_size: int) -> list[tuple[int, int, int, int]]:
-    """(cp_size, block_start, length, seed): every aligned block of every size, two lengths each."""
-    cases = []
-    c = world_size
-    while c >= 1:
-        for start in range(0, world_size, c):
-            for chunk in (1, 3):
-                cases.append((c, start, 2 * c * chunk, 1000 * c + 10 * start + chunk))
-        c //= 2
-    return cases
-
-
-def _attention_worker(rank: int, world_size: int) -> dict[str, Any]:
-    groups = HybridCPGroups.build()
-    results: dict[Any, Any] = {}
-    for c, start, length, seed in _cases(world_size):
-        if start <= rank < start + c:
-            shard = CPShard.zigzag(length, c, rank - start, groups.group(start, c))
-            for via_mode in (False, True):
-                results[(c, start, length, seed, via_mode)] = _run_block(shard, length, seed, via_mode)
-    out: dict[str, Any] = {"results": results, "blocks": sorted(groups.groups), "domain": groups.domain_ranks}
-    out["training"] = _train_distributed(rank, world_size)
-    if world_size == 4:
-        # Two interleaved 2-rank domains ({0, 2} and {1, 3}, as with an inner tensor-parallel dimension): every rank
-        # must create both domain groups and then build the blocks of both domains.
-        domains = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        sub = HybridCPGroups.build(domains[rank % 2])
-        shard = CPShard.zigzag(12, 2, sub.rank, sub.group(0, 2))
-        out["interleaved"] = (sub.domain_ranks, _run_block(shard, 12, 77 + rank % 2, via_mode=True))
-    return out
-
-
-# ------------------------------------------------------------------------------------ GPT training parity
-
-GPT_CFG = GPTConfig(vocab_size=17, seq_len=32, d_model=16, n_layer=2, n_head=2)
-MAX_SEQLEN_PER_RANK = 8
-TRAIN_STEPS = 3
-LR = 0.5  # SGD with momentum: gradient differences map linearly onto parameters (Adam's g/|g| would amplify
-# rounding noise of near-zero gradients into sign flips)
-
-
-def _cp_per_replica(world_size: int) -> int:
-    return 2 if world_size == 4 else 1
-
-
-def _packed_batch(replica: int, step: int, world_size: int) -> list[dict[str, torch.Tensor]]:
-    """A replica's packed batch: 2 samples of pieces whose lengths are multiples of 2 * world (zigzag at any CP
-    size), up to the domain's capacity, with a random 0/1 loss mask and zero-length cu_seqlens entries."""
-    gen = torch.Generator().manual_seed(7919 * step + 31 * replica + world_size)
-    unit = 2 * world_size
-    samples = []
-    for _ in range(2):
-        k = int(torch.randint(1, 4, (1,), generator=gen))
-        lengths = unit * torch.randint(1, MAX_SEQLEN_PER_RANK * world_size // unit + 1, (k,), generator=gen)
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        cu = torch.cat([cu, cu[-1:]]).to(torch.int32)
-        total = int(cu[-1])
-        mask = (torch.rand(total, generator=gen) > 0.3).float()
-        samples.append({
-            "cu_seqlens": cu,
-            "tokens": torch.randint(0, GPT_CFG.vocab_size, (total,), generator=gen),
-            "labels": torch.randint(0, GPT_CFG.vocab_size, (total,), generator=gen),
-            "loss_mask": mask,
-        })
-    return samples
-
-
-def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _train_reference(world_size: int) -> dict[str, Any]:
-    """Single process: every step's global batch (all replicas' sub-samples), mean loss over loss-mask tokens."""
-    torch.manual_seed(0)
-    model = GPT(GPT_CFG)
-    init = _params(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses, first_grads = [], {}
-    for step in range(TRAIN_STEPS):
-        subs = [s for d in range(world_size // _cp_per_replica(world_size))
-                for s in unpack_packed_batch(_packed_batch(d, step, world_size))]
-        num = sum(float(s["loss_mask"].sum()) for s in subs)
-        loss = torch.zeros(())
-        for s in subs:
-            logits, _ = model(s["tokens"][None])
-            token_losses = F.cross_entropy(logits[0], s["labels"], reduction="none")
-            loss = loss + (token_losses * s["loss_mask"]).sum() / num
-        loss.backward()
-        if step == 0:
-            first_grads = _grads(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": first_grads, "params": _params(model), "init": init}
-
-
-def _train_distributed(rank: int, world_size: int) -> dict[str, Any]:
-    """The same training on the wrapper's batches: CP attention, global normalisation, SUM-reduced gradients."""
-    cp = _cp_per_replica(world_size)
-    torch.manual_seed(0)
-    model = GPT(GPT_CFG)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    groups = HybridCPGroups.build()
-    batches = [_packed_batch(rank // cp, step, world_size) for step in range(TRAIN_STEPS)]
-    wrapper = HybridCPDataLoaderWrapper(batches, HybridCPConfig(max_seqlen_per_rank=MAX_SEQLEN_PER_RANK, cp_size=cp))
-    lockstep = world_size == 4  # the ZeRO-safe plan must give the same result
-    losses, first_grads, cp_sizes, pads = [], {}, set(), 0
-    for step, batch in enumerate(wrapper):
-        num = global_token_count(batch, rank, key="loss_mask")
-
-        def loss_fn(data: dict[str, torch.Tensor], shard: CPShard) -> torch.Tensor:
-            return gpt_cp_loss(model, data["tokens"], data["labels"], shard, num_tokens=num,
-                               loss_mask_t=data["loss_mask"])
-
-        pad = (lambda: gpt_pad_loss(model)) if lockstep else None
-        total = hybrid_cp_forward_backward(batch, groups, loss_fn, pad_loss_fn=pad)
-        pads += sum(gid is None for _, gid in lockstep_plan(batch.schedule, rank, lockstep=lockstep))
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-        dist.all_reduce(total)
-        if step == 0:
-            first_grads = _grads(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(total))
-        cp_sizes |= {s.cp_size for s in batch.sub_samples}
-    return {"losses": losses, "grads": first_grads, "params": _params(model), "cp_sizes": cp_sizes, "pads": pads}
-
-
-def _check_training(runs: list[dict[str, Any]], world_size: int) -> None:
-    ref = _train_reference(world_size)
-    for rank, run in enumerate(runs):
-        got = run["training"]
-        torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
-                                   torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5, atol=1e-7)
-        assert got["grads"].keys() == ref["grads"].keys() and got["params"].keys() == ref["params"].keys()
-        for name in ref["grads"]:
-            torch.testing.assert_close(got["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"rank {rank} grad {name}: {m}")
-            torch.testing.assert_close(got["params"][name], ref["params"][name], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"rank {rank} param {name}: {m}")
-    cp_sizes = set().union(*(run["training"]["cp_sizes"] for run in runs))
-    assert max(cp_sizes) == world_size and len(cp_sizes) >= 2, cp_sizes  # blocks of several sizes were exercised
-    if world_size == 4:
-        assert sum(run["training"]["pads"] for run in runs) > 0  # the lockstep plan padded someone
-    moved = max(float((ref["params"][n] - ref["init"][n]).abs().max()) for n in ref["params"])
-    assert moved > 1e-2, moved  # the parameters moved far more than the tolerance: the comparison is not vacuous
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_cp_attention_and_gpt_training_match_single_process(world_size: int) -> None:
-    runs = run_distributed(_attention_worker, world_size, timeout=240)
-    _check_training(runs, world_size)
-    checked = 0
-    for rank, run in enumerate(runs):
-        assert run["domain"] == tuple(range(world_size))
-        expected_blocks = [(s, c) for c in (2, 4, 8) if c <= world_size for s in range(0, world_size, c)
-                           if s <= rank < s + c]
-        assert run["blocks"] == sorted(expected_blocks)  # only this rank's blocks are kept
-        for (c, start, length, seed, via_mode), got in run["results"].items():
-            index = zigzag_positions(length, c, rank - start)
-            ref = _reference(length, seed)
-            for name in ("out", "dq", "dk", "dv"):
-                torch.testing.assert_close(got[name], ref[name].index_select(2, index), **TOL,
-                                           msg=lambda m: f"rank {rank} c={c} L={length} mode={via_mode} {name}: {m}")
-            checked += 1
-    assert checked == 2 * sum(c for c, *_ in _cases(world_size))  # every rank of every block, both paths
-    if world_size == 4:
-        for rank, run in enumerate(runs):
-            domain, got = run["interleaved"]
-            assert domain == ((0, 2) if rank % 2 == 0 else (1, 3))
-            index = zigzag_positions(12, 2, rank // 2)
-            ref = _reference(12, 77 + rank % 2)
-            for name in ("out", "dq", "dk", "dv"):
-                torch.testing.assert_close(got[name], ref[name].index_select(2, index), **TOL)
 
 
 # ----------------------------------------------------------------------------------------- single-process tests
