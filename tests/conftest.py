@@ -1,0 +1,12 @@
+"""Suite-wide test settings.
+
+[Note: one torch thread in the test process]
+Distributed tests spawn ranks with one intra-op thread each (``run_distributed(threads=1)``) on a 2-core CI machine;
+single-process references computed here with torch's default thread count compete with those ranks and with each
+other, which made small reference runs take seconds instead of milliseconds. One thread also gives the references
+the same reduction order as the ranks. A test that needs more threads sets them itself.
+"""
+
+import torch
+
+torch.set_num_threads(1)
