@@ -19,6 +19,7 @@ formats (``lightning_restore_optimizer`` is False), as DeepSpeed's and FSDP's st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
@@ -52,6 +53,8 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from zlightning.strategies._precision import ZeroPrecision
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
+from zlightning.zero._offload_optimizer import OffloadedAdam
+from zlightning.zero._offload_config import CPUOffload, NVMeOffload
 from zlightning.zero import (
     CheckpointPolicy,
     DynamicLossScaler,
@@ -72,7 +75,7 @@ from zlightning.zero import (
     zero3_shard,
 )
 
-__all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor"]
+__all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor", "ZeroStrategy"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,11 @@ class ZStackZero3Strategy(ParallelStrategy):
         timeout: collective timeout (a hung rank fails after this instead of blocking forever).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` or
             ``"forkserver"``.
+        offload_optimizer: ``CPUOffload()`` or ``NVMeOffload(path=...)``: Adam/AdamW state (and fp32 masters) off
+            the device, stepped on the host (shortcut for ``ZeroConfig.offload_optimizer``). Strategy names:
+            ``"zstack_zero3_offload"`` (CPU) and ``"zstack_zero3_nvme"`` (NVMe, optimizer and parameters).
+        offload_params: ``NVMeOffload(path=...)``: parameter shards in swap files between uses. With any NVMe
+            offload, swap traffic is logged per step as ``offload/swap_*`` (bytes, MB/s).
     """
 
     strategy_name = "zstack_zero3"
@@ -115,6 +123,9 @@ class ZStackZero3Strategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        offload_optimizer: CPUOffload | NVMeOffload | None = None,
+        offload_params: NVMeOffload | None = None,
     ) -> None:
         if not isinstance(zero, ZeroConfig):
             raise TypeError(f"ZStackZero3Strategy(zero=...) expects a ZeroConfig, got {type(zero).__name__}")
@@ -135,6 +146,12 @@ class ZStackZero3Strategy(ParallelStrategy):
                 raise ValueError("ZStackZero3Strategy: give either config= (DeepSpeed) or zero=/checkpoint=, not both")
             self.deepspeed = from_deepspeed_config(config)
             zero, checkpoint = self.deepspeed.zero, self.deepspeed.checkpoint
+        if offload_optimizer is not None or offload_params is not None:  # ZeroConfig validates the policies
+            zero = dataclasses.replace(
+                zero,
+                offload_optimizer=offload_optimizer or zero.offload_optimizer,
+                offload_params=offload_params or zero.offload_params,
+            )
         self.zero = zero
         self.checkpoint = checkpoint
         self._num_nodes = 1
@@ -247,9 +264,11 @@ class ZStackZero3Strategy(ParallelStrategy):
             raise AssertionError("setup() before connect()")
         self._engine = zero3_shard(self.model, config, device=self.root_device)
         # Only this run's optimizers (validate/test after fit keep the fit's, which are not sharded anymore).
-        self._attached = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-        for optimizer in self._attached:
-            attach_optimizer(self._engine, optimizer)
+        users = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+        # With offload_optimizer the optimizer to step is an OffloadedAdam sharing the user's param_groups.
+        self._attached = [attach_optimizer(self._engine, optimizer) for optimizer in users]
+        if any(a is not u for a, u in zip(self._attached, users)):
+            self.optimizers = list(self._attached)
         plugin.engine = self._engine
         plugin.device = self.root_device.type
         self.setup_precision_plugin()
@@ -337,10 +356,14 @@ class ZStackZero3Strategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._engine is not None:
             if self._failed:
-                self._engine.remove_hooks()
+                self._engine.remove_hooks()  # also removes the swap files
             else:
-                # plain module with full parameters (and full optimizer state) on every rank
-                unshard_module(self._engine, self._attached)
+                # plain module with full parameters (and full optimizer state) on every rank; offloaded optimizer
+                # state goes back into the user's optimizers
+                plain = [o.export_to_inner() if isinstance(o, OffloadedAdam) else o for o in self._attached]
+                if any(p is not a for p, a in zip(plain, self._attached)):
+                    self.optimizers = plain
+                unshard_module(self._engine, plain)
             self._engine = None
             self._attached = []
             if isinstance(self._precision_plugin, ZeroPrecision):
@@ -370,6 +393,17 @@ class ZStackZero3Strategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._pass():
             return super().predict_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        offload = self._engine.offload if self._engine is not None else None
+        module = self.lightning_module
+        if offload is not None and offload.swappers() and module is not None and module._current_fx_name:
+            # TensorBoard (any logger): swap traffic of this step, forward/backward and optimizer together
+            stats = {f"offload/{k}": v for k, v in offload.swap_stats().items()}
+            module.log_dict(stats, on_step=True, on_epoch=False, rank_zero_only=True)
+        return out
 
     @override
     @contextmanager
@@ -503,6 +537,15 @@ class ZStackZero3Strategy(ParallelStrategy):
             cls.strategy_name, cls, description="ZeRO stage 3: parameters, gradients and optimizer state sharded"
         )
         strategy_registry.register(
+            "zstack_zero3_offload", cls, description="ZeRO-3 with optimizer state and fp32 masters on the CPU (CPU Adam)",
+            zero=ZeroConfig(offload_optimizer=CPUOffload()),
+        )
+        strategy_registry.register(
+            "zstack_zero3_nvme", cls,
+            description="ZeRO-Infinity: optimizer state and parameter shards swapped to NVMe (temp dir by default)",
+            zero=ZeroConfig(offload_optimizer=NVMeOffload(), offload_params=NVMeOffload()),
+        )
+        strategy_registry.register(
             "zstack_zero2", cls, description="ZeRO stage 2: gradients and optimizer state sharded", zero=ZeroConfig(stage=2)
         )
         strategy_registry.register(
@@ -530,3 +573,7 @@ class ZeroMemoryMonitor(Callback):
         self.last = strategy.memory_report()
         mb = {f"zero/{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
         pl_module.log_dict(mb, rank_zero_only=True)
+
+
+ZeroStrategy = ZStackZero3Strategy
+"""Short name: ``ZeroStrategy(offload_optimizer=NVMeOffload(path=...), offload_params=NVMeOffload(path=...))``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -26,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CFG = ZeroConfig(param_persistence_threshold=40)
 
 
-def _engine(model: torch.nn.Module) -> DeepSpeedZeroOptimizer_Stage3:
-    return DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), config=CFG)
+def _engine(model: torch.nn.Module, config: ZeroConfig = CFG) -> DeepSpeedZeroOptimizer_Stage3:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    return DeepSpeedZeroOptimizer_Stage3(model, opt, config=config)
 
 
 def _step(zero: DeepSpeedZeroOptimizer_Stage3, rank: int, world: int, seed: int) -> None:
@@ -41,13 +43,17 @@ def _save(rank: int, world: int, path: str, full_weights: bool = False) -> dict[
     for seed in range(2):
         _step(zero, rank, world, seed)
     save_sharded(zero.state, [zero.optimizer], path, {"epoch": 3}, save_full_weights=full_weights)
-    return {"model": zero.module_state_dict(), "optim": zero.state_dict()["optimizer"]}
+    return {"model": zero.module_state_dict(), "optim": zero.state_dict()["optimizer"], "layout": _groups(zero)}
 
 
-def _load(rank: int, world: int, path: str, extra_step: bool) -> dict[str, Any]:
-    zero = _engine(tiny_gpt(seed=7))  # different init: everything must come from the checkpoint
+def _groups(zero: DeepSpeedZeroOptimizer_Stage3) -> list[list[str]]:
+    return [[zp.fqn for zp in g.params] for g in zero.state.groups]
+
+
+def _load(rank: int, world: int, path: str, extra_step: bool, config: ZeroConfig = CFG) -> dict[str, Any]:
+    zero = _engine(tiny_gpt(seed=7), config)  # different init: everything must come from the checkpoint
     client = load_sharded(zero.state, [zero.optimizer], path)
-    out = {"client": client, "model": zero.module_state_dict(), "optim": zero.state_dict()["optimizer"]}
+    out = {"client": client, "model": zero.module_state_dict(), "optim": zero.state_dict()["optimizer"], "layout": _groups(zero)}
     if extra_step:
         _step(zero, rank, world, 5)
         out["after"] = zero.module_state_dict()
@@ -73,6 +79,29 @@ def test_reshard_between_world_sizes(tmp_path: Path, saved_at: int, loaded_at: t
     for world in loaded_at[1:]:  # training continues identically whatever the world size
         for name, value in continued[loaded_at[0]].items():
             torch.testing.assert_close(continued[world][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# Saved with CFG (persistent small params, one unit per block); loaded with other groupings of the same parameters.
+OTHER_LAYOUTS = [
+    ZeroConfig(param_persistence_threshold=0),  # nothing persistent: every parameter sharded in its unit
+    ZeroConfig(param_persistence_threshold=100, unit_modules=("MLP", "CausalSelfAttention")),  # finer units
+]
+
+
+def test_load_with_a_different_sharding_layout(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, 2, path, timeout=180)[0]
+    reference = run_distributed(_load, 2, path, True, timeout=240)[0]["after"]
+    for config, world in zip(OTHER_LAYOUTS, (2, 1)):
+        r = run_distributed(_load, world, path, True, config, timeout=240)[0]
+        assert r["layout"] != saved["layout"]  # the parameters really are grouped differently
+        for name, value in saved["model"].items():
+            assert torch.equal(r["model"][name], value), (world, name)
+        for i, s in saved["optim"]["state"].items():
+            for key, value in s.items():
+                assert torch.equal(r["optim"]["state"][i][key], value), (world, i, key)
+        for name, value in reference.items():  # and the next step is the same step
+            torch.testing.assert_close(r["after"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _save_single(rank: int, world: int, path: str) -> dict[str, Any]:
@@ -129,6 +158,14 @@ def test_consolidate_cli_and_function(tmp_path: Path) -> None:
     torch.testing.assert_close(sd["tok_emb.weight"].float(), saved["tok_emb.weight"], rtol=1e-2, atol=1e-2)
     with pytest.raises(CheckpointError, match="not a sharded zlightning checkpoint"):
         consolidate(out, tmp_path / "x.pt")
+    if importlib.util.find_spec("safetensors") is not None:
+        from safetensors.torch import load_file
+
+        st = consolidate(path, tmp_path / "model.safetensors", progress=False)
+        plain = tiny_gpt(seed=9)
+        plain.load_state_dict(load_file(st), strict=False)  # tied head: safetensors stores the shared tensor once
+        for name, value in plain.state_dict().items():
+            assert torch.equal(value, saved[name]), name
 
 
 def _crash_mid_save(rank: int, world: int, path: str) -> bool:

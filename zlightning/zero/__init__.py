@@ -5,6 +5,7 @@ Public surface::
     state = zero3_shard(model, ZeroConfig(...))          # shard in place
     attach_optimizer(state, optimizer)                    # optimizer built over the full parameters
     DeepSpeedZeroOptimizer_Stage3(model, optimizer, ...)  # the same, with backward/step/clipping/loss scaling
+    ZeroConfig(offload_optimizer=NVMeOffload(path=...), offload_params=NVMeOffload(path=...))  # ZeRO-Infinity
 """
 
 from zlightning.zero._api import zero3_shard
@@ -35,11 +36,24 @@ from zlightning.zero._sharded_checkpoint import (
     load_sharded,
     save_sharded,
 )
+from zlightning.zero._offload_config import CPUOffload, NVMeOffload, OffloadPolicy
+from zlightning.zero._offload_optimizer import OffloadedAdam
 from zlightning.zero._state import ZeroState
+from zlightning.zero._swap import SwapState, SwapStateError
+from zlightning.zero._swap_io import SwapCorruptionError, SwapPathError, SwapSpaceError
 
 ZeroOptimizer = DeepSpeedZeroOptimizer_Stage3
 
 __all__ = [
+    "CPUOffload",
+    "NVMeOffload",
+    "OffloadPolicy",
+    "OffloadedAdam",
+    "SwapCorruptionError",
+    "SwapPathError",
+    "SwapSpaceError",
+    "SwapState",
+    "SwapStateError",
     "CheckpointError",
     "CheckpointPolicy",
     "DeepSpeedSettings",

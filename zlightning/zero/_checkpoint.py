@@ -50,15 +50,16 @@ def full_state_dict(state: ZeroState, *, rank0_only: bool = False, cpu: bool = T
     base = state.root.state_dict()  # pieces under parameter keys; buffers and extra state as they are
     keep = not rank0_only or _is_rank0(state)
     fulls: dict[str, torch.Tensor] = {}
-    for group in state.groups:
-        flat = _gather_flat(group, group.shard)
-        if not keep:
-            continue
-        for zp in group.params:
-            t = flat[zp.offset : zp.offset + zp.numel].view(zp.shape).clone()
-            t = t.cpu() if cpu else t
-            for name in zp.fqns:
-                fulls[name] = t
+    with state.resident():  # parameter offload: shards come back from disk for the duration
+        for group in state.groups:
+            flat = _gather_flat(group, group.shard)
+            if not keep:
+                continue
+            for zp in group.params:
+                t = flat[zp.offset : zp.offset + zp.numel].view(zp.shape).clone()
+                t = t.cpu() if cpu else t
+                for name in zp.fqns:
+                    fulls[name] = t
     if not keep:
         return {}
     out: dict[str, Any] = {}
@@ -96,7 +97,7 @@ def load_full_state_dict(state: ZeroState, state_dict: Mapping[str, Any], strict
     ]
     if bad:
         raise ValueError("checkpoint tensors have the wrong shape (was it saved from another model?): " + "; ".join(bad))
-    with torch.no_grad():
+    with torch.no_grad(), state.resident():
         for zp in state.params:
             src = next((state_dict[n] for n in zp.fqns if n in state_dict), None)
             if src is not None:
@@ -201,17 +202,18 @@ def unshard_module(state: ZeroState, optimizers: Sequence[torch.optim.Optimizer]
     Collective. The engine must not be used afterwards."""
     full_optim = [full_optim_state_dict(state, opt) for opt in optimizers]
     state.release_all(keep_persistent=False)
-    for group in state.groups:
-        flat = _gather_flat(group, group.shard)
-        for zp in group.params:
-            full = flat[zp.offset : zp.offset + zp.numel].view(zp.shape).clone()
-            if zp.original.is_meta:  # sharded init: there never was a real tensor to refill
-                zp.original = nn.Parameter(full, requires_grad=zp.requires_grad)
-            else:
-                with torch.no_grad():
-                    zp.original.data = full
-            zp.original.requires_grad_(zp.requires_grad)
-            zp.install(zp.original)
+    with state.resident():
+        for group in state.groups:
+            flat = _gather_flat(group, group.shard)
+            for zp in group.params:
+                full = flat[zp.offset : zp.offset + zp.numel].view(zp.shape).clone()
+                if zp.original.is_meta:  # sharded init: there never was a real tensor to refill
+                    zp.original = nn.Parameter(full, requires_grad=zp.requires_grad)
+                else:
+                    with torch.no_grad():
+                        zp.original.data = full
+                zp.original.requires_grad_(zp.requires_grad)
+                zp.install(zp.original)
     state.remove_hooks()
     by_piece = {id(zp.piece): zp.original for zp in state.params}
     for opt, full in zip(optimizers, full_optim):

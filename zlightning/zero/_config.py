@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch
 
+from zlightning.zero._offload_config import CPUOffload, NVMeOffload
+
 __all__ = ["CheckpointPolicy", "DTypeName", "MixedPrecisionPolicy", "ZeroConfig", "dtype_from_name"]
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
@@ -95,8 +97,20 @@ class ZeroConfig:
     sync_module_states: bool = True
     """Broadcast parameters and buffers from rank 0 before sharding so every rank starts identical."""
 
+    host_mmap_threshold: int | None = 1 << 20
+    """Bytes. When shards live in host memory, fix glibc's mmap threshold at this size so the large blocks a step
+    allocates and frees go back to the OS instead of fragmenting the heap (see [Note: why ZeRO on the host sets
+    glibc's mmap threshold] in ``_host_memory.py``). None: leave the allocator alone."""
+
     mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     """Gather and reduce dtypes. The Lightning strategy sets this from ``Trainer(precision=...)``."""
+
+    offload_optimizer: CPUOffload | NVMeOffload | None = None
+    """ZeRO-Offload / ZeRO-Infinity: keep fp32 optimizer state (Adam/AdamW) on the host (``CPUOffload``) or in
+    swap files (``NVMeOffload``) and step it there. None: optimizer state stays with the shards."""
+
+    offload_params: NVMeOffload | None = None
+    """ZeRO-Infinity: keep parameter shards in swap files between uses (prefetched ahead of each gather)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
@@ -112,6 +126,9 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ZeroConfig.{name} must be an int > 0 (elements), got {value!r}")
+        mmap = self.host_mmap_threshold
+        if mmap is not None and (not isinstance(mmap, int) or isinstance(mmap, bool) or not 0 < mmap <= 1 << 30):
+            raise ValueError(f"ZeroConfig.host_mmap_threshold must be None or bytes in (0, 1 GiB], got {mmap!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"ZeroConfig.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
         if not isinstance(self.overlap_comm, bool):
@@ -121,6 +138,18 @@ class ZeroConfig:
                 f"ZeroConfig.unit_modules must be a tuple of module class names such as ('Block',), "
                 f"got {self.unit_modules!r}"
             )
+        if self.offload_optimizer is not None and not isinstance(self.offload_optimizer, (CPUOffload, NVMeOffload)):
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer must be CPUOffload(), NVMeOffload(path=...) or None, got "
+                f"{self.offload_optimizer!r}"
+            )
+        if self.offload_params is not None and not isinstance(self.offload_params, NVMeOffload):
+            raise ValueError(
+                f"ZeroConfig.offload_params must be NVMeOffload(path=...) or None, got {self.offload_params!r} "
+                "(parameter shards already live on the host when the device is the CPU)"
+            )
+        if self.offload_params is not None and self.stage != 3:
+            raise ValueError(f"ZeroConfig.offload_params needs stage=3 (parameters are replicated at stage {self.stage})")
         if not isinstance(self.mixed_precision, MixedPrecisionPolicy):
             raise ValueError(
                 f"ZeroConfig.mixed_precision must be a MixedPrecisionPolicy, got {type(self.mixed_precision).__name__}"

@@ -101,6 +101,7 @@ def from_deepspeed_config(config: str | os.PathLike[str] | Mapping[str, Any]) ->
     problems: list[str] = []
     zero_block = dict(cfg.pop("zero_optimization", {}) or {})
     zero_kwargs: dict[str, Any] = {}
+    pending_offload: dict[str, dict[str, Any]] = {}
     checkpoint = CheckpointPolicy()
     for key, value in zero_block.items():
         if key in _ZERO_KEYS:
@@ -112,11 +113,11 @@ def from_deepspeed_config(config: str | os.PathLike[str] | Mapping[str, Any]) ->
             if wanted is not None and value != wanted:
                 problems.append(f"zero_optimization.{key}={value!r} (only {wanted!r} is supported)")
         elif key in ("offload_param", "offload_optimizer"):
-            device = (value or {}).get("device", "none")
-            if device not in (None, "none"):
-                problems.append(f"zero_optimization.{key}.device={device!r} (CPU/NVMe offload is not available yet)")
+            pending_offload[key] = dict(value or {})
         else:
             problems.append(f"zero_optimization.{key}")
+    aio = dict(cfg.pop("aio", None) or {})
+    zero_kwargs.update(_offload_policies(pending_offload, aio, problems))
     if zero_kwargs.get("stage", 3) == 0:
         problems.append("zero_optimization.stage=0 (use Lightning's 'ddp' strategy for plain data parallelism)")
     precision, scaler = None, None
@@ -167,3 +168,43 @@ def from_deepspeed_config(config: str | os.PathLike[str] | Mapping[str, Any]) ->
         gradient_accumulation_steps=batch["gradient_accumulation_steps"],
         train_batch_size=batch["train_batch_size"],
     )
+
+
+_AIO_KEYS = {"block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "io_threads"}
+_AIO_SATISFIED = ("single_submit", "overlap_events", "use_gds")  # our engines' own choices; no effect on results
+
+
+def _offload_policies(blocks: dict[str, dict[str, Any]], aio: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """``offload_optimizer``/``offload_param`` (+ the ``aio`` block) -> ``CPUOffload``/``NVMeOffload`` kwargs."""
+    from zlightning.zero._offload_config import CPUOffload, NVMeOffload
+
+    io = {ours: int(aio[k]) for k, ours in _AIO_KEYS.items() if k in aio}
+    for k in aio:
+        if k == "thread_count":
+            problems.append("aio.thread_count (renamed intra_op_parallelism in DeepSpeed, which ignores it now)")
+        elif k not in _AIO_KEYS and k not in _AIO_SATISFIED:
+            problems.append(f"aio.{k}")
+    out: dict[str, Any] = {}
+    for key, block in blocks.items():
+        device = block.get("device", "none")
+        ours = "offload_optimizer" if key == "offload_optimizer" else "offload_params"
+        pin = bool(block.get("pin_memory", True))
+        if device in (None, "none"):
+            continue
+        if device == "cpu" and key == "offload_optimizer":
+            out[ours] = CPUOffload(pin_memory=pin)
+        elif device == "nvme" and block.get("nvme_path"):
+            sizes = {"buffer_count": int(block["buffer_count"])} if "buffer_count" in block else {}
+            if "buffer_size" in block:
+                sizes["buffer_size"] = int(block["buffer_size"])
+            out[ours] = NVMeOffload(path=block["nvme_path"], pin_memory=pin, **sizes, **io)
+        elif device == "nvme":
+            problems.append(f"zero_optimization.{key}.device='nvme' without nvme_path")
+        else:
+            problems.append(f"zero_optimization.{key}.device={device!r} (supported: 'cpu' for the optimizer, 'nvme')")
+        unknown = set(block) - {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "pipeline_read",
+                                "pipeline_write", "pipeline", "fast_init", "max_in_cpu", "ratio"}
+        problems += [f"zero_optimization.{key}.{k}" for k in sorted(unknown)]
+        if float(block.get("ratio", 1.0)) != 1.0:
+            problems.append(f"zero_optimization.{key}.ratio (partial offload is not supported)")
+    return out

@@ -28,6 +28,7 @@ from zlightning.zero._checkpoint import (
     unshard_module,
 )
 from zlightning.zero._config import ZeroConfig
+from zlightning.zero._offload_optimizer import OffloadedAdam
 from zlightning.zero._param_group import GroupState
 from zlightning.zero._state import ParamInitFn, ZeroState
 from zlightning.zero._unit import UnitPolicy
@@ -45,10 +46,21 @@ __all__ = [
 ]
 
 
-def attach_optimizer(state: ZeroState, optimizer: torch.optim.Optimizer) -> None:
-    """Re-points ``optimizer`` to the shard pieces and marks gathered copies stale after each of its steps."""
+def attach_optimizer(state: ZeroState, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Re-points ``optimizer`` to the shard pieces and marks gathered copies stale after each of its steps.
+
+    Returns:
+        The optimizer to step: ``optimizer`` itself, or with ``ZeroConfig.offload_optimizer`` an ``OffloadedAdam``
+        that shares its ``param_groups`` (LR schedulers on ``optimizer`` keep working) and keeps the state offloaded.
+
+    Raises:
+        ValueError: the optimizer has state already, or offload is on and it is not a plain Adam/AdamW.
+    """
     remap_optimizer(state, optimizer)
+    if state.offload is not None and state.config.offload_optimizer is not None:
+        optimizer = OffloadedAdam(state, optimizer, state.offload)
     state.optimizer_hooks.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: state.on_optimizer_step()))
+    return optimizer
 
 
 def _grads(pieces: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -197,11 +209,14 @@ def memory_report(state: ZeroState, optimizers: Iterable[torch.optim.Optimizer] 
     """Counts this rank's resident model-state bytes (see ``MemoryReport``)."""
     opt_bytes = 0
     for opt in optimizers:
+        if isinstance(opt, OffloadedAdam):
+            opt_bytes += opt.memory_bytes()
+            continue
         for s in opt.state.values():
             opt_bytes += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
     gathered = [g for g in state.groups if g.status is not GroupState.SHARDED]
     return MemoryReport(
-        param_bytes=sum(g.shard.numel() * g.shard.element_size() for g in state.groups),
+        param_bytes=sum(g.shard.untyped_storage().nbytes() for g in state.groups),  # 0 while swapped out
         grad_bytes=sum(g.grad.numel() * g.grad.element_size() for g in state.groups if g.grad is not None),
         optimizer_bytes=opt_bytes,
         persistent_bytes=sum(g.unsharded_bytes for g in gathered if g.persistent),
@@ -261,7 +276,7 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         self.state = ZeroState(
             module, config or ZeroConfig(), process_group, unit_policy, device=device, param_init_fn=param_init_fn
         )
-        attach_optimizer(self.state, init_optimizer)
+        self.optimizer = attach_optimizer(self.state, init_optimizer)
         self.gradient_clipping = gradient_clipping
         self.scaler = DynamicLossScaler(loss_scaler) if loss_scaler is not None else None
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -339,7 +354,14 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         return memory_report(self.state, [self.optimizer])
 
     def unshard_module(self) -> nn.Module:
-        """Restores the plain module on every rank (collective) and returns it."""
+        """Restores the plain module on every rank (collective) and returns it; with optimizer offload the user's
+        optimizer gets its state back in memory (``self.optimizer`` becomes it) and the swap files are removed."""
+        if isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer = self.optimizer.export_to_inner()
         unshard_module(self.state, [self.optimizer])
         return self.module
+
+    def close(self) -> None:
+        """Removes this rank's swap files without restoring the module (after a failure); idempotent."""
+        self.state.close_offload()
 

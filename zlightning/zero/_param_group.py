@@ -137,6 +137,9 @@ class ZeroParamGroup:
         """SHARDED -> GATHERING (or UNSHARDED when synchronous). No-op if already gathered or gathering."""
         if self.status is not GroupState.SHARDED:
             return
+        offload = self.state.offload
+        if offload is not None:
+            offload.before_gather(self)  # the shard may live on disk: see _offload_params.py
         self.buffer.untyped_storage().resize_(self.unsharded_bytes)
         src = self.shard if self.param_dtype == self.master_dtype else self.shard.to(self.param_dtype)
         streams: CommStreams = self.state.streams
@@ -144,6 +147,8 @@ class ZeroParamGroup:
             self.buffer.copy_(src)
             self._handle = None
             self.status = GroupState.UNSHARDED
+            if offload is not None:
+                offload.after_gather(self)
         else:
             self._handle = all_gather_into(
                 self.buffer, src, self.state.process_group, async_op=async_op, stream=streams.all_gather
@@ -160,6 +165,8 @@ class ZeroParamGroup:
             if handle is not None:
                 handle.wait()
             self.status = GroupState.UNSHARDED
+            if self.state.offload is not None:
+                self.state.offload.after_gather(self)
 
     def unshard(self) -> None:
         """Ensures the full parameters are in the buffer and current (re-gathers after an optimizer step)."""

@@ -14,6 +14,12 @@ A group's flat layout (parameters end to end, padded to a multiple of the world 
 size, only its cut into per-rank slices does. So loading at world size M reads, for each new rank, the old rank files
 whose slices overlap its new slice: resharding needs no separate conversion step.
 
+[Note: loading across layouts]
+Loading works parameter by parameter: for every parameter piece this rank owns now, the saved metadata says which
+saved group held the parameter, at which offset, and so which saved rank slices hold its elements. The saved run may
+therefore have grouped parameters differently (other ``unit_modules``, persistence thresholds or world size): only
+the set of parameter names and their shapes must match.
+
 [Note: atomic, all-or-nothing]
 Ranks write into ``<dir>.tmp-<id>``; rank 0 writes ``meta.json`` last and renames the temporary directory into place
 (moving an existing checkpoint aside first and deleting it only after), so a crash mid-save leaves the previous
@@ -152,8 +158,10 @@ def save_sharded(
     path = Path(path)
     tmp = path.parent / _collective_name(state, path)
     tmp.mkdir(parents=True, exist_ok=True)
+    with state.resident():  # parameter offload: read back from the swap files
+        shards = [g.shard.detach().cpu().clone() for g in state.groups]
     payload = {
-        "shards": [g.shard.detach().cpu() for g in state.groups],
+        "shards": shards,
         "optimizers": [_local_optimizer_payload(state, opt) for opt in optimizers],
     }
     rank_path = tmp / _rank_file(state.rank)
@@ -252,14 +260,34 @@ def _check_layout(state: ZeroState, meta: Mapping[str, Any], path: Path) -> None
             f"{path} does not match this model: missing {missing or '-'}, unexpected {unexpected or '-'}, "
             f"different shapes {shapes or '-'}"
         )
-    layout_saved = [([p["fqns"][0] for p in g["params"]], g["dtype"]) for g in saved]
-    layout_here = [([p["fqns"][0] for p in g["params"]], g["dtype"]) for g in here]
-    if layout_saved != layout_here:
-        raise CheckpointError(
-            f"{path} does not match this model's sharding layout (same parameters, grouped differently): save and "
-            "load with the same ZeroConfig unit_modules and persistence thresholds, or consolidate it with "
-            "`zlightning consolidate` and load the single file"
-        )
+
+
+class _Source:
+    """Where a parameter's elements live in the saved checkpoint (see [Note: loading across layouts])."""
+
+    def __init__(self, group: int, offset: int, old_shard: int) -> None:
+        self.group = group
+        self.offset = offset
+        self.old_shard = old_shard
+
+    def span(self, zp: ZeroParam) -> tuple[int, int]:
+        """Saved group-flat positions of this rank's current piece of ``zp``."""
+        return self.offset + zp.local_start - zp.offset, self.offset + zp.local_end - zp.offset
+
+    def ranks(self, zp: ZeroParam) -> set[int]:
+        lo, hi = self.span(zp)
+        if hi <= lo or not self.old_shard:
+            return set()
+        return set(range(lo // self.old_shard, (hi - 1) // self.old_shard + 1))
+
+
+def _sources(meta: Mapping[str, Any]) -> dict[str, _Source]:
+    world = int(meta["world_size"])
+    return {
+        p["fqns"][0]: _Source(og, int(p["offset"]), -(-int(g["numel"]) // world))
+        for og, g in enumerate(meta["groups"])
+        for p in g["params"]
+    }
 
 
 class _RankFiles:
@@ -305,25 +333,28 @@ def load_sharded(
     path = Path(path)
     meta = read_metadata(path)
     _check_layout(state, meta, path)
-    old_world = int(meta["world_size"])
+    sources = _sources(meta)
     new_opt = len(optimizers)
     if optimizers and meta["num_optimizers"] != new_opt:
         raise CheckpointError(f"{path} holds {meta['num_optimizers']} optimizers' state, this run has {new_opt}")
     files = _RankFiles(path)
-    needed = set()
-    for g in state.groups:
-        old_shard = -(-g.numel // old_world)
-        lo, hi = g.rank * g.shard_numel, (g.rank + 1) * g.shard_numel
-        needed |= {r for r in range(old_world) if r * old_shard < min(hi, g.numel) and (r + 1) * old_shard > lo}
-    _verify_files(path, meta, [_rank_file(r) for r in sorted(needed)] + [CLIENT])
+    needed = {r for zp in state.params for r in sources[zp.fqn].ranks(zp)}
+    if not needed:
+        needed = {0}  # optimizer metadata lives in every rank file; rank 0's always exists
+    _verify_files(path, meta, [_rank_file(r) for r in sorted(needed | {0})] + [CLIENT])
     # Build everything first (see [Note: atomic, all-or-nothing]).
     new_shards = []
-    for gi, g in enumerate(state.groups):
-        old_shard = -(-g.numel // old_world)
-        lo, hi = g.rank * g.shard_numel, (g.rank + 1) * g.shard_numel
-        new_shards.append(_assemble(lo, min(hi, g.numel), old_shard, lambda r, gi=gi: files.get(r)["shards"][gi], g.master_dtype))
-    opt_states = [_build_optimizer_state(state, opt, files, old_world, i) for i, opt in enumerate(optimizers)]
-    with torch.no_grad():
+    for g in state.groups:
+        base = g.rank * g.shard_numel
+        shard = torch.zeros(g.shard_numel, dtype=g.master_dtype)
+        for zp in g.params:
+            src = sources[zp.fqn]
+            lo, hi = src.span(zp)
+            piece = _assemble(lo, hi, src.old_shard, lambda r, og=src.group: files.get(r)["shards"][og], g.master_dtype)
+            shard[zp.local_start - base : zp.local_end - base].copy_(piece)
+        new_shards.append(shard)
+    opt_states = [_build_optimizer_state(state, opt, files, sources, i) for i, opt in enumerate(optimizers)]
+    with torch.no_grad(), state.resident():  # parameter offload: written back to the swap files on exit
         for g, new in zip(state.groups, new_shards):
             g.shard.zero_()
             g.shard[: new.numel()].copy_(new.to(g.shard.device))
@@ -338,7 +369,7 @@ def load_sharded(
 
 
 def _build_optimizer_state(
-    state: ZeroState, optimizer: torch.optim.Optimizer, files: _RankFiles, old_world: int, which: int
+    state: ZeroState, optimizer: torch.optim.Optimizer, files: _RankFiles, sources: Mapping[str, _Source], which: int
 ) -> dict[str, Any]:
     head = files.get(0)["optimizers"][which]
     index = _optimizer_index(state, optimizer)
@@ -348,29 +379,19 @@ def _build_optimizer_state(
             "the optimizer's parameters differ from the checkpoint's (another model, or configure_optimizers "
             "returned different parameter groups)"
         )
-    group_of = {zp.index: (gi, g) for gi, g in enumerate(state.groups) for zp in g.params}
     out_state: dict[int, dict[str, Any]] = {}
-    cache: dict[tuple[int, str], torch.Tensor] = {}
     for i, zp in enumerate(index):
         if zp is None or str(zp.index) not in head["scalars"]:
             continue
-        gi, g = group_of[zp.index]
+        src = sources[zp.fqn]
         entry = dict(head["scalars"][str(zp.index)])
-        old_shard = -(-g.numel // old_world)
-        for key in head["flats"].get(str(gi), {}):
-            if (gi, key) not in cache:
-                lo, hi = g.rank * g.shard_numel, (g.rank + 1) * g.shard_numel
-                cache[(gi, key)] = _assemble(
-                    lo, min(hi, g.numel), old_shard,
-                    lambda r, gi=gi, key=key: files.get(r)["optimizers"][which]["flats"].get(str(gi), {}).get(key),
-                    head["flats"][str(gi)][key].dtype,
-                )
-            base = g.rank * g.shard_numel
-            flat = cache[(gi, key)]
-            piece = torch.zeros(zp.local_numel, dtype=flat.dtype)
-            avail = flat[zp.local_start - base : zp.local_end - base]
-            piece[: avail.numel()].copy_(avail)
-            entry[key] = piece
+        lo, hi = src.span(zp)
+        for key, template in head["flats"].get(str(src.group), {}).items():
+            entry[key] = _assemble(
+                lo, hi, src.old_shard,
+                lambda r, og=src.group, key=key: files.get(r)["optimizers"][which]["flats"].get(str(og), {}).get(key),
+                template.dtype,
+            )
         out_state[i] = entry
     return {"state": out_state, "param_groups": head["param_groups"]}
 

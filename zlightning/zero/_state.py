@@ -40,6 +40,8 @@ from torch.autograd import Variable
 
 from zlightning.zero._collectives import CommHandle, CommStreams
 from zlightning.zero._config import ZeroConfig, dtype_from_name
+from zlightning.zero._host_memory import pin_mmap_threshold
+from zlightning.zero._offload import ZeroOffload
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import GroupState, ZeroParamGroup
 from zlightning.zero._unit import UnitPolicy, ZeroUnit, select_unit_modules
@@ -83,6 +85,8 @@ class ZeroState:
                 "the model is on the meta device: pass device=... (where shards should live) so each rank can "
                 "initialise only its own shards"
             )
+        if self.device.type == "cpu" and config.host_mmap_threshold is not None:
+            pin_mmap_threshold(config.host_mmap_threshold)
         self.meta_init = any(p.is_meta for p in root.parameters())
         self.param_init_fn = param_init_fn
         self._init_seed = self._shared_seed() if self.meta_init else 0
@@ -108,7 +112,10 @@ class ZeroState:
         self.reduce_scatters = 0  # issued so far (a statistic for tests and reports)
         self._root_handles: list[Any] = []
         self.optimizer_hooks: list[Any] = []  # step post-hooks of attached optimizers
+        self.offload: ZeroOffload | None = None
         self._build(unit_policy)
+        if config.offload_optimizer is not None or config.offload_params is not None:
+            self.offload = ZeroOffload(self)  # see [Note: what is offloaded where] in _offload.py
 
     # ================================================================ construction
     def _build(self, unit_policy: UnitPolicy | None) -> None:
@@ -291,6 +298,9 @@ class ZeroState:
             self._ensure_root()
         if unit not in self._order:
             self._order.append(unit)
+        if self.offload is not None and self._last_order:  # disk reads run further ahead than all-gathers
+            pos = self._last_pos.get(id(unit))
+            self.offload.prefetch([g for u in self._last_order[(pos if pos is not None else 0) :] for g in u.groups])
         unit.unshard()
         unit.install(self._pass_id)
         if self.config.overlap_comm and self._last_order:
@@ -305,6 +315,9 @@ class ZeroState:
 
     def unit_pre_backward(self, unit: ZeroUnit) -> None:
         self._queue_finish()
+        if self.offload is not None and unit in self._order:
+            pos = self._order.index(unit)
+            self.offload.prefetch([g for u in reversed(self._order[: pos + 1]) for g in u.groups])
         unit.unshard()  # also waits for a prefetch still in flight
         if self.config.overlap_comm and unit in self._order:
             pos = self._order.index(unit)
@@ -316,7 +329,8 @@ class ZeroState:
         for unit in upcoming:
             if budget <= 0:
                 return
-            if unit.is_gathered_or_inflight():
+            if unit.is_gathered_or_inflight():  # already inside the look-ahead window: it uses up budget too,
+                budget -= unit.numel  # else every call would reach further ahead and gather without bound
                 continue
             if live + unit.numel > self.config.max_live_parameters:
                 return
@@ -431,7 +445,18 @@ class ZeroState:
     def trainable_pieces(self) -> list[nn.Parameter]:
         return [zp.piece for zp in self.params if zp.requires_grad]
 
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """Every shard in memory inside the block (with parameter offload they otherwise live on disk); changes
+        made inside are written back. Checkpoint and consolidation code wraps its shard access in this."""
+        return self.offload.resident() if self.offload is not None else contextlib.nullcontext()
+
+    def close_offload(self) -> None:
+        """Stops swap I/O and removes this rank's swap files (idempotent)."""
+        if self.offload is not None:
+            self.offload.close()
+
     def remove_hooks(self) -> None:
+        self.close_offload()
         for unit in self.units:
             unit.remove_hooks()
         for h in self._root_handles + self.optimizer_hooks:

@@ -1,0 +1,449 @@
+"""Adam/AdamW with offloaded state: the step runs on the host over sub-groups whose state lives on the host or
+on NVMe.
+
+[Note: pipelined optimizer swapping]
+The trainable shards are cut into sub-groups of at most ``buffer_size`` elements. With NVMe state the step walks
+them in order, and for sub-group ``i``::
+
+    wait read(i)  ->  issue read(i+1)  ->  Adam on i (in its pool buffers)  ->  wait write(i-1)  ->  issue write(i)
+
+so in steady state the read of ``i+1`` and the write of ``i-1`` overlap the compute of ``i``. That holds three
+sub-groups' buffers at once (``3 x`` tensors per sub-group); with fewer buffers the step runs unpipelined (and
+warns). A sub-group whose pieces got no gradient this step is skipped without I/O, as torch's Adam skips them.
+
+[Note: exact Adam]
+The update is torch's single-tensor Adam/AdamW, operation for operation (``lerp_``, ``mul_().addcmul_()``, bias
+corrections from a per-parameter step count), so results match ``torch.optim.Adam(W)`` on the unsharded model
+bitwise. Hyper-parameters are read from the user's optimizer's ``param_groups`` at every step (LR schedulers keep
+working), and parameters of different groups or step counts are stepped as separate segments. When
+``zlightning.kernels.CPUAdam`` is built it replaces the per-segment update (vectorised, same math).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zlightning.zero._offload_config import NVMeOffload
+from zlightning.zero._swap import SwapState, SwapTensor
+
+if TYPE_CHECKING:
+    from zlightning.zero._offload import ZeroOffload
+    from zlightning.zero._param import ZeroParam
+    from zlightning.zero._param_group import ZeroParamGroup
+    from zlightning.zero._state import ZeroState
+
+__all__ = ["OffloadedAdam", "check_offloadable"]
+
+_FLAGS_OFF = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+
+
+def check_offloadable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is an Adam/AdamW the offloaded step reproduces; returns its decoupled-decay flag.
+
+    Raises:
+        ValueError: another optimizer type, or an Adam option the offloaded step does not implement.
+    """
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise ValueError(
+            f"offload_optimizer steps Adam/AdamW on the host, but configure_optimizers returned "
+            f"{type(optimizer).__name__}: use torch.optim.Adam or AdamW, or turn optimizer offload off"
+        )
+    for group in optimizer.param_groups:
+        on = [flag for flag in _FLAGS_OFF if group.get(flag)]
+        if on:
+            raise ValueError(f"offload_optimizer does not support Adam options {on}: leave them at their defaults")
+    return bool(optimizer.param_groups[0].get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
+@dataclass(frozen=True)
+class _Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int  # the step number this update performs (1-based)
+
+
+AdamFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Hyper, bool], None]
+
+
+def torch_adam(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: _Hyper, adamw: bool) -> None:
+    """torch's single-tensor Adam/AdamW update, in place (see [Note: exact Adam])."""
+    if h.weight_decay != 0:
+        if adamw:
+            param.mul_(1 - h.lr * h.weight_decay)
+        else:
+            grad = grad.add(param, alpha=h.weight_decay)
+    m.lerp_(grad, 1 - h.beta1)
+    v.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    bias_correction1 = 1 - h.beta1**h.step
+    bias_correction2 = 1 - h.beta2**h.step
+    step_size = h.lr / bias_correction1
+    denom = (v.sqrt() / bias_correction2**0.5).add_(h.eps)
+    param.addcdiv_(m, denom, value=-step_size)
+
+
+def _kernel_adam() -> AdamFn | None:
+    """``zlightning.kernels``' compiled CPU Adam step (the op behind ``CPUAdam``) when built, else None."""
+    try:
+        from zlightning.kernels import _ext
+
+        if not _ext.available():
+            return None
+        op = torch.ops.zlightning.adam_step_
+    except Exception:  # noqa: BLE001 - kernels not built here: the torch update is used
+        return None
+
+    def step(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: _Hyper, adamw: bool) -> None:
+        if grad.dtype != torch.float32 or not grad.is_contiguous():
+            grad = grad.float().contiguous()
+        op(param, grad, m, v, None, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, True, adamw)
+
+    return step
+
+
+@dataclass
+class _SubGroup:
+    """Elements ``[lo, hi)`` of one group's shard, and their state tensors (swap tensors or host tensors)."""
+
+    group: ZeroParamGroup
+    lo: int
+    hi: int
+    pieces: list[tuple[ZeroParam, int, int]]  # (param, lo, hi) in shard coordinates, clipped to [lo, hi)
+    swapped: dict[str, SwapTensor]
+    host: dict[str, torch.Tensor]
+
+
+class OffloadedAdam(torch.optim.Optimizer):
+    """The user's Adam/AdamW, stepped on the host with its state offloaded (see the Notes above).
+
+    It shares ``param_groups`` with the user's optimizer (so LR schedulers attached to that one keep working) and
+    keeps no tensors in ``self.state``: ``state_dict()`` reads the state back (from disk if needed) in torch's
+    per-parameter format and ``load_state_dict()`` writes it out, so checkpoints look like plain Adam's.
+    """
+
+    def __init__(
+        self, engine: ZeroState, inner: torch.optim.Optimizer, offload: ZeroOffload, *, use_kernel: bool = True
+    ) -> None:
+        self.adamw = check_offloadable(inner)
+        pieces = [p for g in inner.param_groups for p in g["params"]]
+        super().__init__(pieces, dict(inner.defaults))
+        self.param_groups = inner.param_groups
+        self.inner = inner
+        self.engine = engine
+        self.offload = offload
+        self.policy = offload.optimizer_policy
+        kernel = _kernel_adam() if use_kernel else None
+        self._adam: AdamFn = kernel or torch_adam
+        self.uses_kernel = kernel is not None
+        self._steps: dict[int, int] = {}  # ZeroParam.index -> Adam steps taken
+        self._subgroups = self._plan()
+        self._pipelined = self._check_buffers()
+
+    # ---------------------------------------------------------------- planning
+    def _plan(self) -> list[_SubGroup]:
+        names = self.offload.optimizer_state_names()
+        swapper = self.offload.optimizer_swapper
+        size = self.offload.sub_group_numel
+        out = []
+        for gi, g in enumerate(self.engine.groups):
+            if not g.requires_grad:
+                continue
+            base = g.rank * g.shard_numel
+            spans = [(zp, zp.local_start - base, zp.local_end - base) for zp in g.params if zp.local_numel]
+            step = size if swapper is not None else max(g.shard_numel, 1)
+            for k, lo in enumerate(range(0, g.shard_numel, step)):
+                hi = min(lo + step, g.shard_numel)
+                pieces = [(zp, max(a, lo), min(b, hi)) for zp, a, b in spans if a < hi and b > lo]
+                swapped, host = {}, {}
+                for name in names:
+                    if swapper is not None:
+                        path = swapper.folder.file(f"optim_group{gi}_{name}.swp")
+                        swapped[name] = SwapTensor(f"group {gi} {name}[{lo}:{hi}]", path, k * size * 4, hi - lo, torch.float32)
+                    else:
+                        host[name] = torch.zeros(hi - lo, dtype=torch.float32, pin_memory=self.offload.pin)
+                if "master" in host:
+                    host["master"].copy_(g.shard[lo:hi])
+                out.append(_SubGroup(g, lo, hi, pieces, swapped, host))
+        return out
+
+    def _check_buffers(self) -> bool:
+        policy = self.policy
+        if not isinstance(policy, NVMeOffload):
+            return False
+        per = len(self.offload.optimizer_state_names())
+        if policy.buffer_count < per:
+            raise ValueError(
+                f"offload_optimizer=NVMeOffload(buffer_count={policy.buffer_count}) is too small: one sub-group needs "
+                f"{per} buffers ({', '.join(self.offload.optimizer_state_names())}); use buffer_count >= {3 * per} "
+                "for the pipelined step"
+            )
+        if policy.buffer_count < 3 * per:
+            warnings.warn(
+                f"NVMeOffload(buffer_count={policy.buffer_count}) < {3 * per}: the optimizer step runs without "
+                "overlapping reads, compute and writes. Raise buffer_count to pipeline it.",
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    # ---------------------------------------------------------------- the step
+    def _hypers(self) -> dict[int, tuple[float, float, float, float, float]]:
+        out = {}
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            values = tuple(float(x) for x in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"]))
+            for p in group["params"]:
+                out[id(p)] = values
+        return out
+
+    def _segments(
+        self, sg: _SubGroup, hypers: dict[int, tuple[float, ...]]
+    ) -> list[tuple[int, int, _Hyper, list[tuple[ZeroParam, int, int]]]]:
+        """Runs of adjacent pieces with a gradient and identical hyper-parameters and step."""
+        segs: list[tuple[int, int, _Hyper, list[tuple[ZeroParam, int, int]]]] = []
+        for zp, a, b in sg.pieces:
+            if zp.piece.grad is None or id(zp.piece) not in hypers:
+                continue
+            h = _Hyper(*hypers[id(zp.piece)], step=self._steps.get(zp.index, 0) + 1)  # type: ignore[misc]
+            if segs and segs[-1][1] == a and segs[-1][2] == h:
+                lo, _, _, members = segs[-1]
+                segs[-1] = (lo, b, h, members + [(zp, a, b)])
+            else:
+                segs.append((a, b, h, [(zp, a, b)]))
+        return segs
+
+    def _grad(self, sg: _SubGroup, members: list[tuple[ZeroParam, int, int]], lo: int, hi: int) -> torch.Tensor:
+        g = sg.group
+        parts = []
+        base = g.rank * g.shard_numel
+        for zp, a, b in members:
+            start = zp.local_start - base
+            parts.append(zp.piece.grad.reshape(-1)[a - start : b - start])  # type: ignore[union-attr]
+        grad = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if g.grad is not None and len(parts) > 1 and all(_views(x, g.grad) for x in parts):
+            grad = g.grad[lo:hi]  # the usual case: one contiguous slice, no copy
+        return grad.to("cpu", torch.float32) if grad.device.type != "cpu" or grad.dtype != torch.float32 else grad
+
+    def _compute(self, sg: _SubGroup, segs: list[Any]) -> None:
+        master = self._tensor(sg, "master") if self.offload.master_on_host else sg.group.shard[sg.lo : sg.hi]
+        m, v = self._tensor(sg, "exp_avg"), self._tensor(sg, "exp_avg_sq")
+        with torch.no_grad():
+            for a, b, h, members in segs:
+                i, j = a - sg.lo, b - sg.lo
+                self._adam(master[i:j], self._grad(sg, members, a, b), m[i:j], v[i:j], h, self.adamw)
+            if self.offload.master_on_host:
+                # A pool buffer is reused as soon as its write finishes: copy from it synchronously. A CPUOffload
+                # master is a pinned host tensor of its own, so that copy overlaps (the next step's backward
+                # synchronises the stream before the host touches the master again).
+                sg.group.shard[sg.lo : sg.hi].copy_(master, non_blocking=not sg.swapped)
+
+    def _tensor(self, sg: _SubGroup, name: str) -> torch.Tensor:
+        return sg.swapped[name].data() if sg.swapped else sg.host[name]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One Adam step over every sub-group (pipelined on NVMe). Returns ``closure()``'s value."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hypers = self._hypers()
+        work = [(sg, segs) for sg in self._subgroups if (segs := self._segments(sg, hypers))]
+        params = self.offload.params
+        swapper = self.offload.optimizer_swapper
+        current: ZeroParamGroup | None = None
+        try:
+            if swapper is not None and work:
+                self._issue_read(work[0][0])
+            for i, (sg, segs) in enumerate(work):
+                if params is not None and sg.group is not current:
+                    if current is not None:
+                        params.commit(current)
+                    current = sg.group
+                    params.mark_dirty(current)
+                    params.prefetch(_next_groups(work, i))
+                if swapper is not None:
+                    swapper.wait_reads()
+                    if self._pipelined and i + 1 < len(work):
+                        self._issue_read(work[i + 1][0])
+                self._compute(sg, segs)
+                if swapper is not None:
+                    if self._pipelined:
+                        swapper.wait_writes()
+                    for t in sg.swapped.values():
+                        swapper.write(t)
+                    if not self._pipelined:
+                        swapper.wait_writes()
+                        if i + 1 < len(work):
+                            self._issue_read(work[i + 1][0])
+            if swapper is not None:
+                swapper.wait_writes()
+            if params is not None and current is not None:
+                params.commit(current)
+                params.flush()
+        except BaseException:
+            self._abandon()
+            raise
+        for zp in self.engine.params:  # empty pieces count too: torch steps a parameter whenever it has a .grad
+            if id(zp.piece) in hypers and zp.piece.grad is not None:
+                self._steps[zp.index] = self._steps.get(zp.index, 0) + 1
+        self.inner._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check the user's optimizer
+        return loss
+
+    def _issue_read(self, sg: _SubGroup) -> None:
+        swapper = self.offload.optimizer_swapper
+        if swapper is None:
+            return
+        for name, t in sg.swapped.items():
+            if t.state is SwapState.ON_DEVICE:  # first step: state starts at zero, the master at the shard
+                swapper.stage(t, sg.group.shard[sg.lo : sg.hi] if name == "master" else None)
+            else:
+                swapper.read(t)
+
+    def _abandon(self) -> None:
+        """After a failed step: wait for in-flight I/O so no buffer is still being filled or drained."""
+        swapper = self.offload.optimizer_swapper
+        if swapper is None:
+            return
+        for wait in (swapper.wait_reads, swapper.wait_writes):
+            try:
+                wait()
+            except BaseException:  # noqa: BLE001 - the first error is the one that is raised
+                pass
+
+    # ---------------------------------------------------------------- state dict (torch Adam's format)
+    def _read_all(self, sg: _SubGroup) -> dict[str, torch.Tensor]:
+        """Copies of a sub-group's state tensors (zeros for a sub-group never stepped)."""
+        swapper = self.offload.optimizer_swapper
+        if swapper is None:
+            return {k: t.clone() for k, t in sg.host.items()}
+        out = {}
+        for name, t in sg.swapped.items():
+            if t.state is SwapState.ON_DEVICE:
+                out[name] = torch.zeros(t.numel) if name != "master" else sg.group.shard[sg.lo : sg.hi].float().cpu()
+                continue
+            swapper.read(t)
+            swapper.wait_reads()
+            out[name] = t.data().clone()
+            swapper.release(t)
+        return out
+
+    def _write_all(self, sg: _SubGroup, values: dict[str, torch.Tensor]) -> None:
+        swapper = self.offload.optimizer_swapper
+        if swapper is None:
+            for name, t in values.items():
+                sg.host[name].copy_(t)
+            return
+        for name, t in sg.swapped.items():
+            if t.state is SwapState.ON_NVME:
+                swapper.supersede(t)
+            swapper.stage(t, values[name])
+            swapper.write(t)
+            swapper.wait_writes()
+
+    def state_dict(self) -> dict[str, Any]:
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state: dict[int, dict[str, Any]] = {}
+        for zp in self.engine.params:
+            if self._steps.get(zp.index, 0) > 0 and id(zp.piece) in index:
+                state[index[id(zp.piece)]] = self._empty_entry(zp)
+        for sg in self._subgroups:
+            stepped = [(zp, a, b) for zp, a, b in sg.pieces if self._steps.get(zp.index, 0) > 0]
+            if not stepped:
+                continue
+            values = self._read_all(sg)
+            base = sg.group.rank * sg.group.shard_numel
+            for zp, a, b in stepped:
+                entry = state[index[id(zp.piece)]]
+                start = zp.local_start - base
+                for key in ("exp_avg", "exp_avg_sq"):
+                    entry[key][a - start : b - start].copy_(values[key][a - sg.lo : b - sg.lo])
+        groups = []
+        start = 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def _empty_entry(self, zp: ZeroParam) -> dict[str, Any]:
+        n = zp.local_numel
+        return {
+            "step": torch.tensor(float(self._steps[zp.index])),
+            "exp_avg": torch.zeros(n),
+            "exp_avg_sq": torch.zeros(n),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads torch Adam's format (pieces' local state) into the offloaded store and the hyper-parameters."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("optimizer state dict has a different parameter-group structure than this optimizer")
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        pieces = [p for g in self.param_groups for p in g["params"]]
+        entries = {id(pieces[int(i)]): e for i, e in state_dict["state"].items()}
+        self._steps = {}
+        for sg in self._subgroups:
+            values = self._read_all(sg) if self._steps_any(sg) else {
+                k: (sg.group.shard[sg.lo : sg.hi].float().cpu() if k == "master" else torch.zeros(sg.hi - sg.lo))
+                for k in self.offload.optimizer_state_names()
+            }
+            base = sg.group.rank * sg.group.shard_numel
+            touched = False
+            for zp, a, b in sg.pieces:
+                e = entries.get(id(zp.piece))
+                if e is None:
+                    continue
+                start = zp.local_start - base
+                for key in ("exp_avg", "exp_avg_sq"):
+                    values[key][a - sg.lo : b - sg.lo].copy_(e[key].reshape(-1)[a - start : b - start])
+                if "master" in values:
+                    values["master"].copy_(sg.group.shard[sg.lo : sg.hi])
+                touched = True
+            if touched:
+                self._write_all(sg, values)
+        for zp in self.engine.params:
+            e = entries.get(id(zp.piece))
+            if e is not None and "step" in e:
+                self._steps[zp.index] = int(float(e["step"]))
+
+    def _steps_any(self, sg: _SubGroup) -> bool:
+        return any(t.state is not SwapState.ON_DEVICE for t in sg.swapped.values()) if sg.swapped else True
+
+    def export_to_inner(self) -> torch.optim.Optimizer:
+        """Puts the state into the user's optimizer (per piece, in memory) and returns it: after training, the
+        plain module and a plain optimizer remain."""
+        sd = self.state_dict()
+        self.inner.state.clear()
+        self.inner.load_state_dict(sd)
+        return self.inner
+
+    def memory_bytes(self) -> int:
+        """Host bytes of optimizer state held resident (the pool for NVMe, all state for CPU offload)."""
+        if self.offload.optimizer_swapper is not None:
+            return self.offload.optimizer_swapper.pool.total_bytes
+        return sum(t.numel() * 4 for sg in self._subgroups for t in sg.host.values())
+
+
+def _views(a: torch.Tensor, base: torch.Tensor) -> bool:
+    return a.numel() == 0 or a.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def _next_groups(work: list[tuple[_SubGroup, Any]], i: int) -> list[ZeroParamGroup]:
+    seen: list[ZeroParamGroup] = []
+    for sg, _ in work[i + 1 :]:
+        if sg.group is not work[i][0].group and all(sg.group is not g for g in seen):
+            seen.append(sg.group)
+    return seen
+

@@ -1,0 +1,283 @@
+"""Swappable tensors: an explicit state machine per tensor, a fixed pool of aligned host buffers, and the swapper
+that moves tensors between those buffers and files.
+
+[Note: swap state machine]
+Every swappable tensor (a parameter shard, one sub-group of an optimizer state) is in exactly one ``SwapState``::
+
+    ON_DEVICE --write--> INFLIGHT --wait--> ON_NVME --read--> INFLIGHT --wait--> IN_CPU --release/write--> ...
+
+``ON_DEVICE``: only its home tensor holds it (never swapped yet). ``IN_CPU``: a pool buffer holds valid data.
+``ON_NVME``: only the file does. ``INFLIGHT``: a read or a write is in progress and the buffer must not be touched.
+Each transition has its own method and any other move raises ``SwapStateError`` (no asserts: they vanish under
+``python -O``). A read verifies the per-block checksums recorded when the block was written, so a modified or
+truncated file is an error, never silently wrong weights.
+
+[Note: fixed buffer pool]
+All swap I/O goes through ``buffer_count`` host buffers of ``buffer_size`` elements, allocated once, aligned to
+``IO_ALIGNMENT`` (O_DIRECT) and pinned when a CUDA device is used. Nothing else is allocated per swap, so host
+memory for swapping is bounded by the pool; running out is a clear error that names ``buffer_count``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from zlightning.zero._offload_config import IO_ALIGNMENT, NVMeOffload
+from zlightning.zero._swap_io import SwapDirectory, SwapIO, SwapSpaceError, make_swap_io
+
+__all__ = ["AlignedBufferPool", "SwapBuffer", "SwapState", "SwapStateError", "SwapStats", "SwapTensor", "Swapper"]
+
+
+class SwapState(enum.Enum):
+    ON_DEVICE = "on_device"
+    IN_CPU = "in_cpu"
+    ON_NVME = "on_nvme"
+    INFLIGHT = "inflight"
+
+
+class SwapStateError(RuntimeError):
+    """An illegal swap transition (an engine bug or a misuse of the swapper's API)."""
+
+
+def aligned_numel(numel: int, dtype: torch.dtype) -> int:
+    """``numel`` rounded up so the byte size is a multiple of ``IO_ALIGNMENT``."""
+    per = IO_ALIGNMENT // torch.empty(0, dtype=dtype).element_size()
+    return -(-numel // per) * per
+
+
+class SwapBuffer:
+    """One slot of the pool: ``nbytes`` aligned host bytes, viewed as whatever dtype a tensor needs."""
+
+    def __init__(self, index: int, raw: torch.Tensor) -> None:
+        self.index = index
+        self.raw = raw  # uint8 [nbytes], aligned
+        self.owner: SwapTensor | None = None
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.raw.view(dtype)[:numel]
+
+
+class AlignedBufferPool:
+    """``count`` aligned host buffers of ``nbytes`` each, allocated once (see [Note: fixed buffer pool])."""
+
+    def __init__(self, count: int, nbytes: int, *, pin: bool) -> None:
+        nbytes = -(-nbytes // IO_ALIGNMENT) * IO_ALIGNMENT
+        self.nbytes = nbytes
+        self.count = count
+        backing = torch.empty(count * nbytes + IO_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+        shift = (-backing.data_ptr()) % IO_ALIGNMENT
+        self._backing = backing
+        self.buffers = [SwapBuffer(i, backing[shift + i * nbytes : shift + (i + 1) * nbytes]) for i in range(count)]
+        self._free = list(reversed(self.buffers))
+
+    @property
+    def total_bytes(self) -> int:
+        return self._backing.numel()
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def acquire(self, owner: SwapTensor) -> SwapBuffer:
+        """A free buffer.
+
+        Raises:
+            RuntimeError: every buffer is in use (the caller asks for more than ``buffer_count`` at once).
+        """
+        if not self._free:
+            raise RuntimeError(
+                f"all {self.count} swap buffers are in use (wanted one for {owner.name}): raise "
+                "NVMeOffload(buffer_count=...)"
+            )
+        buf = self._free.pop()
+        buf.owner = owner
+        return buf
+
+    def release(self, buf: SwapBuffer) -> None:
+        if buf.owner is None:
+            raise SwapStateError(f"swap buffer {buf.index} released twice")
+        buf.owner = None
+        self._free.append(buf)
+
+
+@dataclass
+class SwapStats:
+    """Swap traffic counters (cumulative; ``Swapper.take_stats`` returns and resets the per-step ones)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0  # wall time spent waiting for reads plus overlapped time they were in flight
+    write_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {"bytes_read": float(self.bytes_read), "bytes_written": float(self.bytes_written)}
+        out["read_MBps"] = self.bytes_read / self.read_s / 1e6 if self.read_s > 0 else 0.0
+        out["write_MBps"] = self.bytes_written / self.write_s / 1e6 if self.write_s > 0 else 0.0
+        return out
+
+
+@dataclass(eq=False)
+class SwapTensor:
+    """One swappable tensor: its file region, its state and, while in host memory, its buffer."""
+
+    name: str
+    path: str
+    offset: int  # bytes into the file
+    numel: int
+    dtype: torch.dtype
+    state: SwapState = SwapState.ON_DEVICE
+    buffer: SwapBuffer | None = None
+    checksums: list[int] = field(default_factory=list)
+    _writing: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return aligned_numel(self.numel, self.dtype) * torch.empty(0, dtype=self.dtype).element_size()
+
+    def data(self) -> torch.Tensor:
+        """The tensor's values in its buffer (state ``IN_CPU``)."""
+        if self.state is not SwapState.IN_CPU or self.buffer is None:
+            raise SwapStateError(f"{self.name}: data() needs IN_CPU, state is {self.state.name}")
+        return self.buffer.view(self.dtype, self.numel)
+
+    def _expect(self, *states: SwapState) -> None:
+        if self.state not in states:
+            raise SwapStateError(
+                f"{self.name}: illegal swap transition from {self.state.name} (allowed from "
+                f"{', '.join(s.name for s in states)})"
+            )
+
+
+class Swapper:
+    """Moves ``SwapTensor`` s between the pool and their files; one read and one write handle (see the Notes)."""
+
+    def __init__(self, policy: NVMeOffload, folder: SwapDirectory, direct: bool, *, pin: bool, nbytes: int) -> None:
+        self.policy = policy
+        self.folder = folder
+        self.pool = AlignedBufferPool(policy.buffer_count, nbytes, pin=pin)
+        self.reader: SwapIO = make_swap_io(policy, direct)
+        self.writer: SwapIO = make_swap_io(policy, direct)
+        self.stats = SwapStats()
+        self._step = SwapStats()
+        self._reads: list[SwapTensor] = []
+        self._writes: list[SwapTensor] = []
+        self._read_t0 = 0.0
+        self._write_t0 = 0.0
+
+    # ---------------------------------------------------------------- transitions
+    def stage(self, t: SwapTensor, values: torch.Tensor | None = None) -> torch.Tensor:
+        """ON_DEVICE -> IN_CPU: gives ``t`` a buffer (filled from ``values``, else zeros) and returns its view."""
+        t._expect(SwapState.ON_DEVICE)
+        t.buffer = self.pool.acquire(t)
+        t.state = SwapState.IN_CPU
+        view = t.buffer.view(t.dtype, aligned_numel(t.numel, t.dtype))
+        view.zero_() if values is None else (view[t.numel :].zero_(), view[: t.numel].copy_(values.reshape(-1)))
+        return t.data()
+
+    def write(self, t: SwapTensor) -> None:
+        """IN_CPU -> INFLIGHT (write). The buffer is released when the write completes (``wait_writes``)."""
+        t._expect(SwapState.IN_CPU)
+        if t.buffer is None:
+            raise SwapStateError(f"{t.name}: IN_CPU without a buffer")
+        t.buffer.view(t.dtype, aligned_numel(t.numel, t.dtype))[t.numel :].zero_()
+        if not self._writes:
+            self._write_t0 = time.perf_counter()
+        self.writer.pwrite(t.buffer.raw[: t.nbytes], t.path, t.offset, t.checksums)
+        t.state, t._writing = SwapState.INFLIGHT, True
+        self._writes.append(t)
+
+    def read(self, t: SwapTensor) -> None:
+        """ON_NVME -> INFLIGHT (read into a pool buffer)."""
+        t._expect(SwapState.ON_NVME)
+        t.buffer = self.pool.acquire(t)
+        if not self._reads:
+            self._read_t0 = time.perf_counter()
+        try:
+            self.reader.pread(t.buffer.raw[: t.nbytes], t.path, t.offset, t.checksums)
+        except BaseException:
+            self.pool.release(t.buffer)
+            t.buffer = None
+            raise
+        t.state, t._writing = SwapState.INFLIGHT, False
+        self._reads.append(t)
+
+    def release(self, t: SwapTensor) -> None:
+        """IN_CPU -> ON_NVME without writing (the file already holds these values)."""
+        t._expect(SwapState.IN_CPU)
+        if not t.checksums:
+            raise SwapStateError(f"{t.name}: released unwritten data (it was never written to its file)")
+        self._free(t)
+        t.state = SwapState.ON_NVME
+
+    def supersede(self, t: SwapTensor) -> None:
+        """ON_NVME -> ON_DEVICE: the file's copy is out of date (its owner changed the tensor in memory)."""
+        t._expect(SwapState.ON_NVME)
+        t.state, t.checksums = SwapState.ON_DEVICE, []
+
+    def _free(self, t: SwapTensor) -> None:
+        if t.buffer is not None:
+            self.pool.release(t.buffer)
+            t.buffer = None
+
+    def wait_reads(self) -> None:
+        """Every INFLIGHT read -> IN_CPU (checksums verified)."""
+        reads, self._reads = self._reads, []
+        if not reads:
+            return
+        try:
+            self.reader.wait()
+        except BaseException:
+            for t in reads:
+                self._free(t)
+                t.state = SwapState.ON_NVME
+            raise
+        elapsed = time.perf_counter() - self._read_t0
+        n = sum(t.nbytes for t in reads)
+        for s in (self.stats, self._step):
+            s.bytes_read += n
+            s.read_s += elapsed
+        for t in reads:
+            t.state = SwapState.IN_CPU
+
+    def wait_writes(self) -> None:
+        """Every INFLIGHT write -> ON_NVME (its buffer returns to the pool).
+
+        Raises:
+            SwapSpaceError: the disk filled up (ENOSPC) while writing.
+        """
+        writes, self._writes = self._writes, []
+        if not writes:
+            return
+        try:
+            self.writer.wait()
+        except OSError as err:
+            for t in writes:
+                self._free(t)
+                t.state, t.checksums = SwapState.ON_NVME, []
+            if err.errno in (28, 27):  # ENOSPC, EFBIG
+                raise SwapSpaceError(
+                    f"the disk under {self.folder.root} ran out of space while writing swap files "
+                    f"({err.strerror or err}); {sum(t.nbytes for t in writes):,} bytes were being written. Free space "
+                    "or choose another NVMeOffload(path=...); restart from the last checkpoint."
+                ) from err
+            raise
+        elapsed = time.perf_counter() - self._write_t0
+        n = sum(t.nbytes for t in writes)
+        for s in (self.stats, self._step):
+            s.bytes_written += n
+            s.write_s += elapsed
+        for t in writes:
+            self._free(t)
+            t.state = SwapState.ON_NVME
+
+    def take_stats(self) -> SwapStats:
+        out, self._step = self._step, SwapStats()
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()

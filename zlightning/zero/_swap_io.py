@@ -1,0 +1,552 @@
+"""Swap files on disk: path checks, the per-run swap folder and its cleanup, and the asynchronous I/O handles.
+
+[Note: swap folder lifecycle]
+Each rank swaps into ``<path>/zlightning_swap/run-<run id>-rank<r>/`` (the run id is chosen by rank 0 and
+broadcast), with an ``owner.json`` naming the host, pid and the process start time. The folder is removed when the
+engine closes (normal exit, the strategy's teardown after an exception), at interpreter exit (``atexit``) and on
+SIGTERM. A SIGKILL leaves it behind: the next run on the same path finds folders whose owner is gone (same host,
+pid dead or reused by another process) and removes them with a warning, or refuses to start
+(``NVMeOffload(stale_files="error")``). Folders owned by live processes or other hosts are never touched.
+
+[Note: SIGTERM]
+The handler is chained, not replacing: when a previous Python handler exists (Lightning installs one that finishes
+the step and raises), it is called and the folder is left to the normal exception/teardown path, since training may
+go on until then. When the previous disposition is the default (terminate), the folders are removed first and the
+signal is re-delivered with the default action, so the exit status still says "killed by SIGTERM".
+
+[Note: I/O engines]
+``zlightning.kernels.DeepSpeedIOEngine`` (libaio, native) is used when it is built; otherwise a portable engine runs
+``os.preadv``/``os.pwrite`` on a small thread pool (the GIL is released during the system calls, so transfers overlap
+compute). Both take aligned host tensors, split requests into ``block_size`` chunks and report failures from
+``wait()``. O_DIRECT bypasses the page cache (what NVMe offload needs: the cache would otherwise hold the very state
+we are moving out of memory); where the file system refuses it, buffered I/O is used after a warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+import uuid
+import warnings
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+import torch
+
+from zlightning.zero._offload_config import IO_ALIGNMENT, NVMeOffload
+
+__all__ = [
+    "SwapCorruptionError",
+    "SwapDirectory",
+    "SwapIO",
+    "SwapPathError",
+    "SwapSpaceError",
+    "check_swap_path",
+    "make_swap_io",
+    "new_run_id",
+]
+
+SWAP_ROOT = "zlightning_swap"
+
+
+class SwapPathError(ValueError):
+    """The swap path cannot be used (not writable, no O_DIRECT when required, stale files with ``"error"``)."""
+
+
+class SwapSpaceError(OSError):
+    """Not enough free space for the swap files (before training), or the disk filled up while writing."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class SwapCorruptionError(RuntimeError):
+    """A swap file was modified, truncated or removed behind the engine's back: its data is not trusted."""
+
+
+# ==================================================================== path checks
+def _probe_direct(folder: Path) -> str | None:
+    """None when O_DIRECT writes work in ``folder``, else the reason they do not."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    probe = folder / f".odirect-probe-{uuid.uuid4().hex[:8]}"
+    buf = torch.empty(2 * IO_ALIGNMENT, dtype=torch.uint8)
+    view = _aligned(buf, IO_ALIGNMENT)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, _cbuf(view), 0)
+        finally:
+            os.close(fd)
+        return None
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def check_swap_path(policy: NVMeOffload, needed_bytes: int) -> tuple[Path, bool]:
+    """Checks that ``policy``'s path is a writable directory with ``needed_bytes`` free; probes O_DIRECT.
+
+    Args:
+        policy: the offload policy (its ``path`` and ``direct_io``).
+        needed_bytes: bytes the swap files of every process using this path will take.
+
+    Returns:
+        ``(root, direct)``: the absolute swap root and whether O_DIRECT is used.
+
+    Raises:
+        SwapPathError: the path is not a writable directory, or ``direct_io="on"`` without O_DIRECT support.
+        SwapSpaceError: fewer than ``needed_bytes`` bytes are free there.
+    """
+    root = policy.resolved_path()
+    if policy.path is None:
+        warnings.warn(
+            f"NVMe offload without a path: swapping to the temporary directory {root}. Pass "
+            "NVMeOffload(path='/local/nvme/dir') to put swap files on a fast local drive.",
+            stacklevel=3,
+        )
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"\0" * IO_ALIGNMENT)
+        probe.unlink()
+    except OSError as err:
+        raise SwapPathError(
+            f"NVMe offload path {root} is not a writable directory ({type(err).__name__}: {err.strerror or err}). "
+            "Pass NVMeOffload(path=...) a directory this process can create files in."
+        ) from err
+    direct = False
+    if policy.direct_io != "off":
+        reason = _probe_direct(root)
+        direct = reason is None
+        if reason is not None and policy.direct_io == "on":
+            raise SwapPathError(
+                f"NVMe offload path {root} does not support O_DIRECT ({reason}) but NVMeOffload(direct_io='on'). "
+                "Use a local ext4/xfs NVMe mount, or direct_io='auto' to fall back to buffered I/O."
+            )
+        if reason is not None:
+            warnings.warn(
+                f"NVMe offload path {root} does not support O_DIRECT ({reason}, e.g. tmpfs or overlayfs): using "
+                "buffered I/O, which goes through the page cache. Point NVMeOffload(path=...) at a local NVMe "
+                "file system for full speed, or set direct_io='off' to silence this.",
+                stacklevel=3,
+            )
+    free = shutil.disk_usage(root).free
+    if needed_bytes > free:
+        raise SwapSpaceError(
+            f"NVMe offload needs {needed_bytes:,} bytes ({needed_bytes / 2**30:.2f} GiB) of swap files under {root} "
+            f"but only {free:,} bytes ({free / 2**30:.2f} GiB) are free there. Free space, choose another "
+            "NVMeOffload(path=...), or offload less (offload_params=None)."
+        )
+    return root, direct
+
+
+# ==================================================================== swap folders
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_alive(owner: dict[str, Any]) -> bool | None:
+    """True/False for an owner on this host; None when it cannot be told (another host)."""
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = int(owner.get("pid", -1))
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    recorded = owner.get("start_time")
+    return recorded is None or _start_time(pid) in (None, recorded)
+
+
+class SwapDirectory:
+    """This rank's swap folder under one root: created on ``open``, removed on ``close``/exit/SIGTERM."""
+
+    root: Path
+    path: Path  # <root>/zlightning_swap/run-<id>-rank<r>
+    closed: bool
+
+    def __init__(self, root: Path, run_id: str, rank: int) -> None:
+        self.root = root
+        self.path = root / SWAP_ROOT / f"run-{run_id}-rank{rank}"
+        self.closed = True
+
+    def open(self, stale_files: str) -> None:
+        """Handles stale folders of crashed runs, then creates this rank's folder and registers its cleanup.
+
+        Raises:
+            SwapPathError: stale folders exist and ``stale_files == "error"``.
+        """
+        self._handle_stale(stale_files)
+        # Created under a temporary name with its owner file, then renamed: another rank scanning for stale folders
+        # never sees a run folder without an owner.
+        staging = self.path.with_name(f".creating-{self.path.name}")
+        staging.mkdir(parents=True, exist_ok=False)
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _start_time(os.getpid())}
+        (staging / "owner.json").write_text(json.dumps(owner))
+        os.replace(staging, self.path)
+        self.closed = False
+        _register(self)
+
+    def _handle_stale(self, policy: str) -> None:
+        base = self.root / SWAP_ROOT
+        if not base.is_dir():
+            return
+        stale = []
+        for folder in sorted(base.glob("run-*")):
+            try:
+                owner = json.loads((folder / "owner.json").read_text())
+            except (OSError, ValueError):
+                owner = {"host": socket.gethostname(), "pid": -1}  # never finished starting: orphaned
+            if _owner_alive(owner) is False:
+                stale.append(folder)
+        if not stale:
+            return
+        names = ", ".join(str(s) for s in stale[:5]) + (" ..." if len(stale) > 5 else "")
+        if policy == "error":
+            raise SwapPathError(
+                f"stale swap folders of a crashed run (their processes are gone) under {base}: {names}. Remove them, "
+                "or use NVMeOffload(stale_files='remove') to delete them automatically."
+            )
+        warnings.warn(f"removing stale swap folders of a crashed run: {names}", stacklevel=3)
+        for folder in stale:
+            _remove_tree(folder)
+
+    def file(self, name: str) -> str:
+        return str(self.path / name)
+
+    def close(self) -> None:
+        """Removes the folder and everything in it (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        _unregister(self)
+        _remove_tree(self.path)
+        try:  # the shared parent goes too once empty (other runs' folders keep it)
+            (self.root / SWAP_ROOT).rmdir()
+        except OSError:
+            pass
+
+
+def _remove_tree(folder: Path) -> None:
+    trash = folder.with_name(f".deleting-{folder.name}-{uuid.uuid4().hex[:6]}")
+    try:
+        os.replace(folder, trash)  # atomic: two ranks cleaning the same stale folder do not collide
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+_LIVE: dict[int, SwapDirectory] = {}
+_LOCK = threading.Lock()
+_HOOKS_INSTALLED = False
+_PREVIOUS_SIGTERM: Any = None
+
+
+def _register(folder: SwapDirectory) -> None:
+    global _HOOKS_INSTALLED, _PREVIOUS_SIGTERM
+    with _LOCK:
+        _LIVE[id(folder)] = folder
+        if not _HOOKS_INSTALLED:
+            _HOOKS_INSTALLED = True
+            atexit.register(_close_all)
+    # (Re-)install when someone (e.g. Lightning's teardown restoring its originals) replaced the handler.
+    if threading.current_thread() is threading.main_thread():
+        current = signal.getsignal(signal.SIGTERM)
+        if current is not _on_sigterm:
+            _PREVIOUS_SIGTERM = current
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _unregister(folder: SwapDirectory) -> None:
+    with _LOCK:
+        _LIVE.pop(id(folder), None)
+
+
+def _close_all() -> None:
+    for folder in list(_LIVE.values()):
+        folder.close()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # See [Note: SIGTERM].
+    previous = _PREVIOUS_SIGTERM
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    _close_all()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ==================================================================== I/O engines
+def _aligned(buf: torch.Tensor, alignment: int) -> torch.Tensor:
+    """The aligned middle of a uint8 tensor over-allocated by ``alignment`` bytes."""
+    shift = (-buf.data_ptr()) % alignment
+    return buf[shift : shift + (buf.numel() - alignment)]
+
+
+def _cbuf(t: torch.Tensor) -> Any:
+    """A zero-copy buffer-protocol object over a contiguous CPU tensor's bytes."""
+    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+
+
+_WEIGHTS: dict[int, torch.Tensor] = {}
+_WEIGHTS_LOCK = threading.Lock()
+
+
+def block_checksum(chunk: torch.Tensor) -> int:
+    """A 128-bit Fletcher-style checksum of a host block: the wrapping int64 sum of its 8-byte words and their
+    position-weighted sum (any changed word, and any two words swapped, change it). Vectorised torch reductions run
+    at several GB/s per thread, about twice zlib's CRC-32 here, and release the GIL so I/O threads compute it in
+    parallel. Integer addition modulo 2**64 is associative, so the value does not depend on reduction order.
+    Blocks whose size is not a multiple of 8 bytes fall back to CRC-32."""
+    n = chunk.numel()
+    if n % 8:
+        return zlib.crc32(_cbuf(chunk))
+    words = chunk.view(torch.int64)
+    with _WEIGHTS_LOCK:
+        weights = _WEIGHTS.get(words.numel())
+        if weights is None:
+            weights = _WEIGHTS[words.numel()] = torch.arange(1, words.numel() + 1, dtype=torch.int64)
+    plain, weighted = int(words.sum()), int((words * weights).sum())
+    return ((plain % 2**64) << 64) | (weighted % 2**64)
+
+
+class SwapIO(Protocol):
+    """An asynchronous I/O handle over aligned host buffers; ``wait`` returns when every request has finished.
+
+    ``pwrite`` fills ``checksums`` (one ``block_checksum`` per ``block_size`` block of ``buf``); ``pread`` checks the blocks it
+    reads against ``checksums`` and ``wait`` raises ``SwapCorruptionError`` on a mismatch or a short file.
+    """
+
+    block_size: int
+
+    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None: ...
+
+    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def forget(self, path: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _raw(buf: torch.Tensor) -> torch.Tensor:
+    if buf.device.type != "cpu" or not buf.is_contiguous():
+        raise AssertionError(f"swap I/O needs a contiguous host buffer, got {buf.device} {buf.is_contiguous()=}")
+    return buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf
+
+
+def _blocks(buf: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    raw = _raw(buf)
+    return [raw[s : s + block_size] for s in range(0, raw.numel(), block_size)]
+
+
+def _verify(path: str, offset: int, block: int, chunk: torch.Tensor, expected: int) -> None:
+    actual = block_checksum(chunk)
+    if actual != expected:
+        raise SwapCorruptionError(
+            f"swap file {path} is corrupted: block {block} (bytes {offset}..{offset + chunk.numel()}) has checksum "
+            f"{actual:#034x}, written as {expected:#034x}. The file was modified outside this process; the run "
+            "cannot continue from it: restart from the last checkpoint."
+        )
+
+
+class PosixSwapIO:
+    """Portable engine: ``os.preadv``/``os.pwrite`` per block on a thread pool, checksums in the threads."""
+
+    def __init__(self, *, threads: int, block_size: int, direct: bool) -> None:
+        self.block_size = block_size
+        self.direct = direct
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zswap")
+        self._futures: list[Future[None]] = []
+        self._fds: dict[tuple[str, bool], int] = {}
+        self._fd_lock = threading.Lock()
+
+    def _fd(self, path: str, write: bool) -> int:
+        key = (path, write)
+        with self._fd_lock:
+            if key not in self._fds:
+                flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+                if self.direct:
+                    flags |= os.O_DIRECT
+                try:
+                    self._fds[key] = os.open(path, flags, 0o600)
+                except FileNotFoundError as err:
+                    raise SwapCorruptionError(f"swap file {path} is missing (removed outside this process)") from err
+            return self._fds[key]
+
+    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
+        fd = self._fd(path, write=False)
+        for i, chunk in enumerate(_blocks(buf, self.block_size)):
+            at = offset + i * self.block_size
+            self._futures.append(self._pool.submit(self._read_block, fd, chunk, at, path, i, checksums[i]))
+
+    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
+        fd = self._fd(path, write=True)
+        chunks = _blocks(buf, self.block_size)
+        checksums[:] = [0] * len(chunks)
+        for i, chunk in enumerate(chunks):
+            at = offset + i * self.block_size
+            self._futures.append(self._pool.submit(self._write_block, fd, chunk, at, path, i, checksums))
+
+    def _read_block(self, fd: int, chunk: torch.Tensor, offset: int, path: str, block: int, expected: int) -> None:
+        got = os.preadv(fd, [_cbuf(chunk)], offset)
+        if got != chunk.numel():
+            raise SwapCorruptionError(
+                f"swap file {path} is truncated: block {block} at byte {offset} gave {got} of {chunk.numel()} bytes. "
+                "The file was modified outside this process: restart from the last checkpoint."
+            )
+        _verify(path, offset, block, chunk, expected)
+
+    def _write_block(self, fd: int, chunk: torch.Tensor, offset: int, path: str, block: int, sums: list[int]) -> None:
+        sums[block] = block_checksum(chunk)
+        view = memoryview(_cbuf(chunk)).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+
+    def wait(self) -> None:
+        futures, self._futures = self._futures, []
+        first: BaseException | None = None
+        for f in futures:  # every request finishes even after a failure: buffers must be idle on return
+            err = f.exception()
+            if err is not None and first is None:
+                first = err
+        if first is not None:
+            raise first
+
+    def forget(self, path: str) -> None:
+        """Closes cached descriptors of ``path``."""
+        with self._fd_lock:
+            for key in [k for k in self._fds if k[0] == path]:
+                os.close(self._fds.pop(key))
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - closing after a failure must not raise again
+            pass
+        self._pool.shutdown(wait=True)
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class KernelSwapIO:
+    """Adapter over ``zlightning.kernels.DeepSpeedIOEngine``; block checksums run on a small thread pool."""
+
+    def __init__(self, engine: Any, block_size: int, threads: int) -> None:
+        self._engine = engine
+        self.block_size = block_size
+        self._sums = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zswap-crc")
+        self._pending = 0
+        self._writes: list[Future[None]] = []
+        self._reads: list[tuple[torch.Tensor, str, int, list[int]]] = []
+
+    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        size = os.path.getsize(path) if os.path.exists(path) else -1
+        if size < 0:
+            raise SwapCorruptionError(f"swap file {path} is missing (removed outside this process)")
+        if size < offset + nbytes:
+            raise SwapCorruptionError(
+                f"swap file {path} is truncated: {size} bytes, needs {offset + nbytes}. The file was modified outside "
+                "this process: restart from the last checkpoint."
+            )
+        self._engine.async_pread(_raw(buf), path, offset)
+        self._pending += 1
+        self._reads.append((buf, path, offset, checksums))
+
+    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
+        chunks = _blocks(buf, self.block_size)
+        checksums[:] = [0] * len(chunks)
+
+        def fill(i: int, chunk: torch.Tensor) -> None:
+            checksums[i] = block_checksum(chunk)
+
+        self._writes += [self._sums.submit(fill, i, c) for i, c in enumerate(chunks)]
+        self._engine.async_pwrite(_raw(buf), path, offset)
+        self._pending += 1
+
+    def wait(self) -> None:
+        sums, self._writes = self._writes, []
+        reads, self._reads = self._reads, []
+        if self._pending:
+            self._pending = 0
+            self._engine.wait()  # raises AIOError (an OSError with the errno) after every request finished
+        for f in sums:
+            f.result()
+        checks = [
+            self._sums.submit(_verify, path, offset + i * self.block_size, i, chunk, sums_[i])
+            for buf, path, offset, sums_ in reads
+            for i, chunk in enumerate(_blocks(buf, self.block_size))
+        ]
+        for f in checks:
+            f.result()
+
+    def forget(self, path: str) -> None:
+        pass
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - closing after a failure must not raise again
+            pass
+        self._sums.shutdown(wait=True)
+        self._engine.close()
+
+
+def _kernel_engine(policy: NVMeOffload, direct: bool) -> Any | None:
+    try:
+        from zlightning.kernels import DeepSpeedIOEngine
+    except Exception:  # noqa: BLE001 - not built/installed here: the portable engine is used
+        return None
+    return DeepSpeedIOEngine(
+        block_size=policy.block_size,
+        queue_depth=policy.queue_depth,
+        intra_op_parallelism=policy.io_threads,
+        o_direct=direct,
+    )
+
+
+def make_swap_io(policy: NVMeOffload, direct: bool) -> SwapIO:
+    """One I/O handle per ``policy.io_engine`` (see [Note: I/O engines])."""
+    engine = _kernel_engine(policy, direct) if policy.io_engine != "portable" else None
+    if engine is None and policy.io_engine == "kernels":
+        raise RuntimeError("NVMeOffload(io_engine='kernels') but zlightning.kernels.DeepSpeedIOEngine cannot be imported")
+    if engine is not None:
+        return KernelSwapIO(engine, policy.block_size, policy.io_threads)
+    return PosixSwapIO(threads=policy.io_threads, block_size=policy.block_size, direct=direct)
