@@ -1,0 +1,98 @@
+"""Compiling a ZeRO-3 sharded model: one graph per ZeRO unit, gathers and releases at the unit boundaries.
+
+[Note: ZeRO-3 gather/release placement for compile]
+The engine gathers a unit's parameters in the unit's forward pre-hook and releases them in its post-hook (and again
+around its backward). Tracing those hooks would put host-side collectives into Dynamo's path: a graph break at every
+unit, plus guards on tensors that change identity each step (recompiles). `compile_zero3` therefore compiles each
+non-root unit's *forward* (not ``__call__``), so the hooks keep running eagerly at the boundaries of one whole graph
+per unit: no graph breaks inside a unit, no recompilation, and the engine's own prefetch (``overlap_comm``) still
+overlaps the next unit's all-gather with this unit's compiled compute. The root unit (embeddings, final norm, head)
+stays eager because its forward *calls* the other units, and so does a unit that contains other units.
+The engine also hangs an idempotent "ensure root/persistent parameters are gathered" pre-hook on every module that
+holds persistent (small, always-gathered) parameters -- e.g. the LayerNorms inside a block. Traced, it guards on the
+engine's pass counter and recompiles every step, so the compiled forward detaches those engine hooks while it runs
+and calls them once, eagerly, just before (same effect: the first call installs, later ones are no-ops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from zlightning.compile._backend import CompileStats, make_backend
+from zlightning.compile._config import CompileConfig
+
+__all__ = ["ZeroCompileHandle", "compile_zero3"]
+
+
+@dataclass
+class ZeroCompileHandle:
+    """The modules `compile_zero3` compiled and the backend's statistics (``stats.graphs`` counts recompiles)."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    stats: CompileStats = field(default_factory=CompileStats)
+
+    def restore(self) -> None:
+        """Back to eager forwards."""
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+        self.modules.clear()
+
+
+def compile_zero3(
+    state: object, config: CompileConfig | None = None, *, dynamic: bool | None = False
+) -> ZeroCompileHandle:
+    """Compiles every non-root unit of a ZeRO-3 engine with `backend_fn`; see [Note: ZeRO-3 gather/release ...].
+
+    Args:
+        state: the engine state (``zero3_shard(...)``), or a ``DeepSpeedZeroOptimizer_Stage3`` (its ``.state``).
+        config: backend knobs.
+        dynamic: passed to ``torch.compile`` (False: one graph per input shape).
+
+    Returns:
+        A handle with the compiled modules and the compile statistics.
+
+    Raises:
+        TypeError: ``state`` is not a ZeRO-3 engine state.
+    """
+    state = getattr(state, "state", state)  # a DeepSpeedZeroOptimizer_Stage3 carries its ZeroState as .state
+    units = getattr(state, "units", None)
+    if not isinstance(units, list):
+        raise TypeError(f"compile_zero3 expects a ZeroState (zero3_shard(...)), got {type(state).__name__}")
+    handle = ZeroCompileHandle()
+    backend = make_backend(config, handle.stats)
+    engine_hooks = {h.id for h in getattr(state, "_root_handles", [])}
+    unit_modules = [u.module for u in units]
+    for unit in units:
+        inner = [m for m in unit.module.modules() if m is not unit.module and any(m is u for u in unit_modules)]
+        if unit.is_root or inner:
+            continue
+        compiled = torch.compile(unit.module.forward, backend=backend, dynamic=dynamic)
+        unit.module.forward = _CompiledUnitForward(unit.module, compiled, engine_hooks)  # type: ignore[method-assign]
+        handle.modules.append(unit.module)
+    return handle
+
+
+class _CompiledUnitForward:
+    """Runs a unit's compiled forward with the engine's lazy pre-hooks of its submodules called eagerly up front."""
+
+    def __init__(self, module: nn.Module, compiled: Callable[..., Any], hook_ids: set[int]) -> None:
+        self.compiled = compiled
+        self.hooks = [(m, k) for m in module.modules() if m is not module for k in m._forward_pre_hooks
+                      if k in hook_ids]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        saved = {id(m): (m, dict(m._forward_pre_hooks)) for m, _ in self.hooks}  # restored in the same order
+        detached = [(m, m._forward_pre_hooks.pop(k)) for m, k in self.hooks]
+        try:
+            for m, fn in detached:
+                fn(m, args)
+            return self.compiled(*args, **kwargs)
+        finally:
+            for m, hooks in saved.values():
+                m._forward_pre_hooks.clear()
+                m._forward_pre_hooks.update(hooks)

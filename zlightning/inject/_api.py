@@ -1,0 +1,285 @@
+"""``module_inject``: automatic tensor parallelism for training plus kernel injection, in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zlightning.inject._classify import HEAD_ATTRS, classify_linears, validate_tp
+from zlightning.inject._layers import (
+    ColumnParallelLinear,
+    FusedNorm,
+    FusedSelfAttention,
+    HiddenParallelEmbedding,
+    RowParallelLinear,
+    ShardMemo,
+    probe_equal,
+)
+from zlightning.inject._policy import InjectError, InjectPolicy, LinearStyle
+
+__all__ = ["TPGroups", "apply_tensor_parallel", "build_tp_groups", "module_inject", "tp_full_state"]
+
+_SPLIT_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("wq", "wk", "wv"))
+_OUT_NAMES = ("proj", "o_proj", "out_proj", "c_proj", "dense", "wo", "out")
+_RESID_DROP = ("resid_drop", "resid_dropout", "proj_drop", "dropout")
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
+
+@dataclass(frozen=True)
+class TPGroups:
+    """A DP x TP grid: TP groups are contiguous ranks ``[k*tp, (k+1)*tp)``, DP groups strided (``r mod tp``)."""
+
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_rank: int
+    dp_rank: int
+    tp_size: int
+    dp_size: int
+
+
+def build_tp_groups(tp_size: int) -> TPGroups:
+    """Builds the TP and DP process groups of the world (every rank must call it, in the same order).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: ``tp_size`` does not divide the world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_tp_groups: call torch.distributed.init_process_group first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"build_tp_groups: tp_size={tp_size} must divide the world size {world}")
+    tp_group = dp_group = None
+    for k in range(world // tp_size):
+        g = dist.new_group(list(range(k * tp_size, (k + 1) * tp_size)))
+        tp_group = g if rank // tp_size == k else tp_group
+    for j in range(tp_size):
+        g = dist.new_group(list(range(j, world, tp_size)))
+        dp_group = g if rank % tp_size == j else dp_group
+    if tp_group is None or dp_group is None:
+        raise AssertionError(f"{rank=} {tp_size=}")
+    return TPGroups(tp_group, dp_group, rank % tp_size, rank // tp_size, tp_size, world // tp_size)
+
+
+def module_inject(model: nn.Module, policy: InjectPolicy = InjectPolicy(), *,
+                  tp_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Rewrites ``model`` in place: fused kernels and/or tensor parallelism (training).
+
+    The algorithm: (1) classify every ``nn.Linear`` (`classify_linears`; see [Note: how a Linear is classified]) and,
+    for ``tp_size > 1``, validate divisibility and per-block data flow; (2) kernel injection: each attention module
+    (a head-count attribute plus a fused or split Q/K/V and an output projection) is rebuilt as `FusedSelfAttention`
+    (``F.scaled_dot_product_attention``) and each hand-written Layer/RMS norm as `FusedNorm`, each only if it agrees
+    with the original on a probe input (causality is detected the same way); (3) tensor parallelism: Linears become
+    `ColumnParallelLinear` / `RowParallelLinear` per style, embeddings are sliced on the hidden dim (a tied LM head
+    keeps sharing the shard), and autograd Functions place the all-reduce/all-gather in forward and backward.
+    Replicated parameters receive identical full gradients on every TP rank, so a TP run equals a single-process run.
+
+    Call it on identically initialised replicas on every TP rank, before building the optimizer (parameters are
+    replaced). Feed every TP rank of a group the same batch (a sampler over the DP group only).
+
+    Args:
+        model: the model (modified in place and returned).
+        policy: what to do (`InjectPolicy`).
+        tp_group: the tensor-parallel process group (``build_tp_groups(...).tp_group``); required when
+            ``policy.tp_size > 1`` and its size must equal ``tp_size``.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        InjectError: an indivisible dimension, an invalid plan, or an attention module that cannot be sharded.
+        ValueError: a missing or mismatched ``tp_group``.
+    """
+    tp = policy.tp_size
+    if tp > 1:
+        if tp_group is None:
+            raise ValueError(f"module_inject: policy.tp_size={tp} needs tp_group= (see build_tp_groups({tp}))")
+        if dist.get_world_size(tp_group) != tp:
+            raise ValueError(f"module_inject: tp_group has {dist.get_world_size(tp_group)} ranks but "
+                             f"policy.tp_size={tp}")
+    styles = classify_linears(model, policy)
+    if tp > 1:
+        validate_tp(model, styles, tp)
+    if policy.inject_kernels or tp > 1:
+        _inject_attention(model, styles, policy, required=tp > 1)
+    if policy.inject_kernels:
+        _inject_norms(model, policy)
+    if tp > 1 and tp_group is not None:
+        _shard_model(model, styles, tp_group)
+        if policy.check_inputs:
+            _check_inputs_once(model, tp_group)
+    return model
+
+
+def _fingerprint(values: list[object]) -> torch.Tensor:
+    """Two float64 numbers per tensor input: its sum and a position-weighted sum (order-sensitive)."""
+    parts = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            flat = v.detach().reshape(-1).double().cpu()
+            parts += [flat.sum(), (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()]
+    return torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64)
+
+
+def _check_inputs_once(model: nn.Module, group: dist.ProcessGroup) -> None:
+    handle = None
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if handle is not None:
+            handle.remove()
+        mine = _fingerprint([*args, *kwargs.values()])
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        if any(e.shape != mine.shape or not torch.equal(e, everyone[0]) for e in everyone):
+            raise ValueError(
+                "module_inject: the ranks of a tensor-parallel group received different inputs on the first forward; "
+                "every TP rank must see the same batch: shard data by the DP rank (num_replicas=dp_size, "
+                "rank=dp_rank from build_tp_groups), not by the global rank"
+            )
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_size: int, policy: InjectPolicy | None = None) -> TPGroups:
+    """One call for strategies: builds the DP x TP grid over the world and shards ``model`` over its TP group.
+
+    Args:
+        model: identical on every rank; modified in place (build optimizers afterwards).
+        tp_size: tensor-parallel degree (must divide the world size).
+        policy: other knobs (its ``tp_size`` is replaced by ``tp_size``).
+
+    Returns:
+        The groups: hand ``dp_group`` to the data-parallel engine and ``dp_rank``/``dp_size`` to the sampler.
+    """
+    groups = build_tp_groups(tp_size)
+    if tp_size > 1:
+        module_inject(model, dataclasses.replace(policy or InjectPolicy(), tp_size=tp_size), tp_group=groups.tp_group)
+    return groups
+
+
+def _probe_input(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(1234)  # never touches the global RNG
+    return torch.randn(2, 5, width, generator=gen).to(device=device, dtype=dtype)
+
+
+def _attention_parts(module: nn.Module) -> tuple[tuple[str, ...], str, int] | None:
+    heads = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    children = dict(module.named_children())
+    out = next((n for n in _OUT_NAMES if isinstance(children.get(n), nn.Linear)), None)
+    if heads is None or out is None:
+        return None
+    fused = [n for n, c in children.items() if isinstance(c, nn.Linear) and c.out_features == 3 * c.in_features]
+    split = next((t for t in _SPLIT_QKV if all(isinstance(children.get(n), nn.Linear) for n in t)), None)
+    qkv = (fused[0],) if len(fused) == 1 else split
+    return None if qkv is None else (qkv, out, heads)
+
+
+def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: InjectPolicy, required: bool) -> None:
+    for name, module in list(model.named_modules()):
+        parts = _attention_parts(module)
+        if parts is None or isinstance(module, FusedSelfAttention) or module is model:  # the root cannot be swapped
+            continue
+        qkv, out, heads = parts
+        children = dict(module.named_children())
+        width = children[out].out_features
+        drop = next(((n, children[n]) for n in _RESID_DROP if isinstance(children.get(n), nn.Dropout)), None)
+        p = next((float(getattr(module, a)) for a in ("dropout", "attn_dropout", "dropout_p")
+                  if isinstance(getattr(module, a, None), float)), 0.0)
+        weight = children[out].weight
+        example = _probe_input(width, weight.dtype, weight.device)
+        replacement = None
+        for causal in ([policy.causal] if policy.causal is not None else [True, False]):
+            cand = FusedSelfAttention(qkv_names=qkv, out_name=out, modules={n: children[n] for n in (*qkv, out)},
+                                      head_dim=width // heads, causal=causal, attn_dropout=p, resid_drop=drop)
+            if probe_equal(module, cand, example, policy.probe_atol):
+                replacement = cand
+                break
+        sharded = any(styles.get(f"{name}.{n}") not in (None, LinearStyle.REPLICATE) for n in (*qkv, out))
+        if replacement is None:
+            if required and sharded:
+                raise InjectError(f"{name} ({type(module).__name__}): attention could not be rebuilt on "
+                                  "F.scaled_dot_product_attention (outputs differ on a probe), so its heads cannot be "
+                                  "split; plan its projections as 'replicate' or set InjectPolicy.causal")
+            warnings.warn(f"module_inject: {name} kept as is (fused attention differs on the probe)", stacklevel=3)
+            continue
+        _set_submodule(model, name, replacement)
+
+
+def _inject_norms(model: nn.Module, policy: InjectPolicy) -> None:
+    for name, module in list(model.named_modules()):
+        cls = type(module).__name__.lower()
+        weight = getattr(module, "weight", None)
+        if module is model or isinstance(module, (nn.LayerNorm, nn.RMSNorm, FusedNorm)):
+            continue
+        if not isinstance(weight, nn.Parameter):
+            continue
+        if weight.dim() != 1 or not ("layernorm" in cls or "rmsnorm" in cls):
+            continue
+        eps = next((float(getattr(module, a)) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), 1e-5)
+        bias = getattr(module, "bias", None)
+        cand = FusedNorm("rms" if "rms" in cls else "layer", weight, bias if isinstance(bias, nn.Parameter) else None,
+                         eps, tuple(weight.shape))
+        if probe_equal(module, cand, _probe_input(weight.shape[0], weight.dtype, weight.device), policy.probe_atol):
+            _set_submodule(model, name, cand)
+        else:
+            warnings.warn(f"module_inject: {name} ({type(module).__name__}) kept: fused norm differs", stacklevel=3)
+
+
+def _shard_model(model: nn.Module, styles: dict[str, LinearStyle], group: dist.ProcessGroup) -> None:
+    memo: ShardMemo = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    tied = {id(m.weight): n for n, m in modules.items() if isinstance(m, nn.Linear) and styles.get(n)
+            in (LinearStyle.COLUMN, LinearStyle.HEAD, LinearStyle.QKV, LinearStyle.ROW)}
+    for name, module in modules.items():
+        if isinstance(module, nn.Embedding):
+            if id(module.weight) in tied:
+                raise InjectError(f"{name} shares its weight with {tied[id(module.weight)]}, which is planned "
+                                  f"{styles[tied[id(module.weight)]].value}; plan that layer 'tied_head'")
+            if module.max_norm is not None or module.sparse:
+                raise InjectError(f"{name}: embeddings with max_norm/sparse cannot be sharded; disable them")
+            _set_submodule(model, name, HiddenParallelEmbedding(module, group, memo))
+    for name, style in styles.items():
+        linear = modules[name]
+        if not isinstance(linear, nn.Linear):
+            raise AssertionError(f"{name=}")
+        new: nn.Module | None = {
+            LinearStyle.COLUMN: lambda: ColumnParallelLinear(linear, group, memo),
+            LinearStyle.QKV: lambda: ColumnParallelLinear(linear, group, memo, chunks=3),
+            LinearStyle.HEAD: lambda: ColumnParallelLinear(linear, group, memo, gather_output=True),
+            LinearStyle.ROW: lambda: RowParallelLinear(linear, group, memo),
+            LinearStyle.TIED_HEAD: lambda: RowParallelLinear(linear, group, memo, input_is_parallel=False),
+        }.get(style, lambda: None)()
+        if new is not None:
+            _set_submodule(model, name, new)
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
+
+
+def tp_full_state(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded parameters (or their gradients) of a tensor-parallel model, by qualified name.
+
+    A collective over each TP layer's group: every rank of the group must call it. Names are those of the original
+    model (tied parameters appear under each name that holds them), so the result loads into the unsharded model.
+
+    Args:
+        model: a model rewritten by `module_inject`.
+        grads: return ``param.grad`` values (None gradients are skipped) instead of the parameters.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(prefix="", recurse=False):
+            value = param.grad if grads else param.detach()
+            if value is None:
+                continue
+            unshard = getattr(module, "unshard", None)
+            full = unshard(attr, value) if callable(unshard) else value
+            out[f"{mod_name}.{attr}" if mod_name else attr] = full.clone() if full is value else full
+    return out

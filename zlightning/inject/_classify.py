@@ -1,0 +1,159 @@
+"""AutoTP-style classification of every ``nn.Linear`` (pure: reads the model, changes nothing).
+
+[Note: how a Linear is classified]
+Priority: (1) the user's plan (first regex that fully matches the qualified name); (2) a Linear whose weight *is* an
+``nn.Embedding``'s weight is a tied LM head; (3) inside a transformer block (a child of an ``nn.ModuleList``): a name
+rule (``o_proj``, ``down_proj``, ``proj`` ... are row-parallel; ``q_proj``, ``up_proj``, ``fc`` ... column), else the
+structure rule -- a Linear followed (in registration order) by a norm, or the block's last Linear, is row-parallel,
+every other one column-parallel; a column Linear with ``out == 3 * in`` named like a fused projection, or sitting in an
+attention module, is a fused QKV; (4) outside blocks: ``lm_head``/``head``/``embed_out``/``output`` is the LM head,
+everything else replicated.
+A TP plan is then checked as data flow per block: a row layer needs a column layer before it (since the last row
+layer), and a block must not end with a sharded activation.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from zlightning.inject._policy import InjectError, InjectPolicy, LinearStyle
+
+__all__ = ["HEAD_ATTRS", "classify_linears", "validate_tp"]
+
+HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
+_ROW_NAMES = {"proj", "o_proj", "out_proj", "down_proj", "c_proj", "dense_4h_to_h", "fc2", "w2", "wo", "out"}
+_COL_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv",
+              "query", "key", "value", "dense_h_to_4h"}
+_QKV_NAMES = {"qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "query_key_value"}
+_HEAD_NAMES = {"lm_head", "head", "embed_out", "output"}
+
+
+def _is_norm(name: str, module: nn.Module) -> bool:
+    cls = type(module).__name__.lower()
+    return "norm" in cls or name.rsplit(".", 1)[-1] in {"ln_1", "ln_2", "ln_f", "layer_norm", "layernorm"}
+
+
+def _blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> block, for every child of every ``nn.ModuleList``."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for child_name, child in module.named_children():
+                out[f"{name}.{child_name}" if name else child_name] = child
+    return out
+
+
+def _block_styles(prefix: str, block: nn.Module) -> dict[str, LinearStyle]:
+    markers = [(n, m) for n, m in block.named_modules() if n and (isinstance(m, nn.Linear) or _is_norm(n, m))]
+    styles: dict[str, LinearStyle] = {}
+    linears = [i for i, (_, m) in enumerate(markers) if isinstance(m, nn.Linear)]
+    for i in linears:
+        name, linear = markers[i]
+        leaf = name.rsplit(".", 1)[-1].lower()
+        parent = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+        if leaf in _ROW_NAMES:
+            style = LinearStyle.ROW
+        elif leaf in _COL_NAMES:
+            style = LinearStyle.COLUMN
+        else:
+            followed_by_norm = i + 1 < len(markers) and not isinstance(markers[i + 1][1], nn.Linear)
+            style = LinearStyle.ROW if followed_by_norm or i == linears[-1] else LinearStyle.COLUMN
+        fused = linear.out_features == 3 * linear.in_features and (
+            leaf in _QKV_NAMES or any(isinstance(getattr(parent, a, None), int) for a in HEAD_ATTRS))
+        if style is LinearStyle.COLUMN and fused:
+            style = LinearStyle.QKV
+        styles[f"{prefix}.{name}"] = style
+    return styles
+
+
+def classify_linears(model: nn.Module, policy: InjectPolicy) -> dict[str, LinearStyle]:
+    """Classifies every ``nn.Linear`` of ``model``; see [Note: how a Linear is classified].
+
+    Args:
+        model: the (unsharded) model.
+        policy: supplies the user plan.
+
+    Returns:
+        Qualified Linear name -> style, in ``named_modules`` order.
+
+    Raises:
+        InjectError: a plan pattern matches no Linear, or names a module that is not an ``nn.Linear``.
+    """
+    embed_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    auto: dict[str, LinearStyle] = {}
+    for prefix, block in _blocks(model).items():
+        auto.update(_block_styles(prefix, block))
+    styles: dict[str, LinearStyle] = {}
+    used: set[str] = set()
+    modules = dict(model.named_modules())
+    for pattern in policy.plan:
+        bad = [n for n, m in modules.items() if re.fullmatch(pattern, n) and not isinstance(m, nn.Linear)]
+        if bad and not any(isinstance(modules[n], nn.Linear) for n in modules if re.fullmatch(pattern, n)):
+            raise InjectError(f"InjectPolicy.plan: pattern {pattern!r} matches {bad[:3]}, which are not nn.Linear; "
+                              "plans classify Linear layers only")
+    for name, module in modules.items():
+        if not isinstance(module, nn.Linear):
+            continue
+        hit = next((p for p in policy.plan if re.fullmatch(p, name)), None)
+        if hit is not None:
+            used.add(hit)
+            styles[name] = LinearStyle(policy.plan[hit])
+        elif id(module.weight) in embed_weights:
+            styles[name] = LinearStyle.TIED_HEAD
+        elif name in auto:
+            styles[name] = auto[name]
+        elif name.rsplit(".", 1)[-1].lower() in _HEAD_NAMES:
+            styles[name] = LinearStyle.HEAD
+        else:
+            styles[name] = LinearStyle.REPLICATE
+    unused = [p for p in policy.plan if p not in used]
+    if unused:
+        raise InjectError(f"InjectPolicy.plan: patterns {unused} match no nn.Linear (re.fullmatch on qualified names "
+                          f"such as {list(styles)[:3]}); fix or remove them")
+    return styles
+
+
+def validate_tp(model: nn.Module, styles: dict[str, LinearStyle], tp: int) -> None:
+    """Checks that every sharded dimension divides by ``tp`` and that each block's plan is a valid data flow.
+
+    Raises:
+        InjectError: naming the module, the dimension and the fix.
+    """
+    modules = dict(model.named_modules())
+    for name, style in styles.items():
+        lin = modules[name]
+        if not isinstance(lin, nn.Linear):
+            raise AssertionError(f"{name=}")
+        dim, what = {
+            LinearStyle.COLUMN: (lin.out_features, "out_features"),
+            LinearStyle.HEAD: (lin.out_features, "out_features"),
+            LinearStyle.QKV: (lin.out_features // 3, "out_features/3"),
+            LinearStyle.ROW: (lin.in_features, "in_features"),
+            LinearStyle.TIED_HEAD: (lin.in_features, "in_features"),
+        }.get(style, (0, ""))
+        if style is LinearStyle.QKV and lin.out_features % 3:
+            raise InjectError(f"{name}: fused QKV needs out_features divisible by 3, got {lin.out_features}")
+        if dim % tp:
+            raise InjectError(f"{name} ({style.value}-parallel): {what}={dim} is not divisible by tp_size={tp}; "
+                              f"choose a tp_size dividing it or plan the layer as 'replicate'")
+    for name, module in modules.items():
+        if isinstance(module, nn.Embedding) and module.embedding_dim % tp:
+            raise InjectError(f"{name}: embedding_dim={module.embedding_dim} is not divisible by tp_size={tp}")
+        heads = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+        if heads is not None and heads % tp:
+            raise InjectError(f"{name}: {heads} attention heads are not divisible by tp_size={tp}")
+    for prefix, _ in _blocks(model).items():
+        sharded, last = False, ""
+        for name, style in styles.items():
+            if not name.startswith(prefix + "."):
+                continue
+            if style is LinearStyle.ROW and not sharded:
+                raise InjectError(f"{name} is planned row-parallel but no column-parallel layer precedes it in block "
+                                  f"{prefix}, so its input is not sharded; plan the producer as 'column'")
+            sharded = style in (LinearStyle.COLUMN, LinearStyle.QKV) or (sharded and style is not LinearStyle.ROW)
+            last = name
+        if sharded:
+            raise InjectError(f"block {prefix} ends with a sharded activation after {last}; plan its last layer as "
+                              "'row' so the output is all-reduced")
