@@ -51,6 +51,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from zlightning.compile import CompileConfig
+from zlightning.compile._zero3 import ZeroCompileHandle, compile_zero3
+from zlightning.inject._api import TPGroups, apply_tensor_parallel
 from zlightning.strategies._precision import ZeroPrecision
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
 from zlightning.zero._offload_optimizer import OffloadedAdam
@@ -106,6 +109,18 @@ class ZStackZero3Strategy(ParallelStrategy):
             ``"zstack_zero3_offload"`` (CPU) and ``"zstack_zero3_nvme"`` (NVMe, optimizer and parameters).
         offload_params: ``NVMeOffload(path=...)``: parameter shards in swap files between uses. With any NVMe
             offload, swap traffic is logged per step as ``offload/swap_*`` (bytes, MB/s).
+        compile: True or a ``CompileConfig``: compile each ZeRO unit with ``zlightning.compile.backend_fn`` at setup
+            (Lightning refuses user-compiled models for custom strategies, so the strategy compiles).
+        tensor_parallel_size: > 1 gives a DP x TP grid: ``zlightning.inject`` shards every Linear over contiguous
+            groups of this many ranks, ZeRO-3 shards over the strided data-parallel groups, and the sampler sees
+            data-parallel ranks only.
+
+    [Note: tensor parallel and compile in the strategy]
+    Tensor parallelism is applied once, before the optimizers are built (``configure_optimizers`` then sees the
+    tensor-parallel shards, which ZeRO-3 shards further across the data-parallel group); the modules stay
+    tensor-parallel after ``fit`` (``zlightning.inject.tp_full_state`` gathers full weights). Compilation wraps each
+    unit's forward after sharding, so the engine's gather/release hooks stay at unit boundaries, and is undone in
+    ``teardown`` before the module is unsharded.
     """
 
     strategy_name = "zstack_zero3"
@@ -126,7 +141,16 @@ class ZStackZero3Strategy(ParallelStrategy):
         *,
         offload_optimizer: CPUOffload | NVMeOffload | None = None,
         offload_params: NVMeOffload | None = None,
+        compile: bool | CompileConfig = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        if not isinstance(compile, (bool, CompileConfig)):
+            raise TypeError(f"ZStackZero3Strategy(compile=...) expects a bool or a CompileConfig, got {compile!r}")
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+            raise ValueError(
+                f"ZStackZero3Strategy(tensor_parallel_size=...) must be an int >= 1 dividing the world size, "
+                f"got {tensor_parallel_size!r}"
+            )
         if not isinstance(zero, ZeroConfig):
             raise TypeError(f"ZStackZero3Strategy(zero=...) expects a ZeroConfig, got {type(zero).__name__}")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
@@ -162,6 +186,11 @@ class ZStackZero3Strategy(ParallelStrategy):
         self._attached: list[torch.optim.Optimizer] = []
         self._loaded_sharded = False
         self._failed = False
+        # See [Note: tensor parallel and compile in the strategy].
+        self.compile_config: CompileConfig | None = CompileConfig() if compile is True else (compile or None)
+        self.tensor_parallel_size = tensor_parallel_size
+        self._tp: TPGroups | None = None
+        self._compiled: ZeroCompileHandle | None = None
 
     # ---------------------------------------------------------------- identity and ranks
     @property
@@ -191,7 +220,8 @@ class ZStackZero3Strategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        tp = self.tensor_parallel_size  # TP peers read the same samples: the sampler sees data-parallel ranks only
+        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
 
     @property
     def engine(self) -> ZeroState | None:
@@ -252,6 +282,16 @@ class ZStackZero3Strategy(ParallelStrategy):
             raise AssertionError("accelerator must be set before setup")
         self.accelerator.setup(trainer)
         self.model_to_device()
+        if self.tensor_parallel_size > 1 and self._tp is None:  # once: the modules stay tensor-parallel afterwards
+            if trainer.gradient_clip_val:
+                raise ValueError(
+                    "ZStackZero3Strategy(tensor_parallel_size>1) does not support Trainer(gradient_clip_val=...) yet: "
+                    "the global gradient norm would miss the other tensor-parallel shards; remove gradient clipping "
+                    "or use tensor_parallel_size=1"
+                )
+            if self.model is None:
+                raise AssertionError("setup() before connect()")
+            self._tp = apply_tensor_parallel(self.model, self.tensor_parallel_size)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)  # over full parameters: see [Note: optimizers before sharding]
@@ -262,7 +302,10 @@ class ZStackZero3Strategy(ParallelStrategy):
         config = self._config_for(plugin)
         if self.model is None:
             raise AssertionError("setup() before connect()")
-        self._engine = zero3_shard(self.model, config, device=self.root_device)
+        dp_group = self._tp.dp_group if self._tp is not None else None
+        self._engine = zero3_shard(self.model, config, process_group=dp_group, device=self.root_device)
+        if self.compile_config is not None:
+            self._compiled = compile_zero3(self._engine, self.compile_config)
         # Only this run's optimizers (validate/test after fit keep the fit's, which are not sharded anymore).
         users = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         # With offload_optimizer the optimizer to step is an OffloadedAdam sharing the user's param_groups.
@@ -354,6 +397,9 @@ class ZStackZero3Strategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._compiled is not None:
+            self._compiled.restore()
+            self._compiled = None
         if self._engine is not None:
             if self._failed:
                 self._engine.remove_hooks()  # also removes the swap files
