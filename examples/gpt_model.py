@@ -82,13 +82,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        B, T, D = x_BTD.shape
-        q, k, v = self.qkv(x_BTD).split(D, dim=2)
-        q_BHTd, k_BHTd, v_BHTd = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x_BTD.shape
+        inner = self.qkv.out_features // 3  # read from the layer: head pruning may have removed heads
+        q, k, v = self.qkv(x_BTD).split(inner, dim=2)
+        q_BHTd, k_BHTd, v_BHTd = (t.view(B, T, self.n_head, inner // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, dropout_p=p, is_causal=True)
-        y_BTD = y_BHTd.transpose(1, 2).contiguous().view(B, T, D)
-        return self.resid_drop(self.proj(y_BTD))
+        y_BTI = y_BHTd.transpose(1, 2).contiguous().view(B, T, inner)
+        return self.resid_drop(self.proj(y_BTI))
 
 
 class MLP(nn.Module):

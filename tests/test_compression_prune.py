@@ -176,6 +176,21 @@ def test_head_pruning_clean_updates_head_count_and_keeps_outputs() -> None:
     torch.testing.assert_close(cleaned, masked, rtol=1e-5, atol=1e-5)
 
 
+def test_head_pruning_removes_heads_from_the_example_gpt() -> None:
+    from examples.gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4, bias=True))
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    cfg = CompressionConfig(head_pruning=HeadPruningConfig(schedule_offset=0, method="l1", groups=(PruneGroup(
+        name="h", modules=(r"attn\.proj$",), dense_ratio=0.5, related_modules=((r"attn\.qkv$",),)),)))
+    masked, cleaned, model = _compress_and_clean(cfg, gpt, idx)
+    for block in model.blocks:
+        assert block.attn.n_head == 2
+        assert block.attn.proj.in_features == 16 and block.attn.qkv.out_features == 48
+    torch.testing.assert_close(cleaned, masked, rtol=1e-5, atol=1e-5)
+
+
 def test_head_count_needed() -> None:
     class NoHeads(nn.Module):
         def __init__(self) -> None:
