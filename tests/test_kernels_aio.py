@@ -53,6 +53,31 @@ def test_roundtrip_many_requests_in_flight(tmp_path, backend):
         eng.free_cpu_locked_tensor(t)
 
 
+def test_large_locked_buffers_are_huge_page_aligned_and_round_trip(tmp_path, backend):
+    # >= 2 MiB: the mmap'ed, huge-page-advised, prefaulted path of new_cpu_locked_tensor ([Note: buffer memory])
+    eng = DeepSpeedIOEngine(block_size=1 << 20, queue_depth=8, backend=backend)
+    numel = (3 << 20) // 8 + 3  # 3 MiB + 24 B of float64: the last block is unaligned (buffered tail)
+    src = eng.new_cpu_locked_tensor(numel, torch.empty(0, dtype=torch.float64))
+    out = eng.new_cpu_locked_tensor(numel, src)
+    assert src.dtype == torch.float64 and src.shape == (numel,) and src.is_contiguous()
+    if not torch.cuda.is_available():  # CUDA: pinned cudaHostAlloc memory, 4096-aligned only
+        assert src.data_ptr() % _aio.HUGE_PAGE == 0 and out.data_ptr() % _aio.HUGE_PAGE == 0
+    assert src.data_ptr() % _aio.ALIGNMENT == 0
+    src.copy_(torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(7)))
+    out.fill_(-1.0)
+    assert eng.sync_pwrite(src, tmp_path / "big.bin", 8192) == 1
+    assert os.path.getsize(tmp_path / "big.bin") == 8192 + numel * 8
+    eng.async_pread(out, tmp_path / "big.bin", 8192)
+    assert eng.wait() == 1
+    assert torch.equal(src, out)
+    view = out[5:]  # a view keeps the mapping alive after the engine lets go of the buffer
+    eng.free_cpu_locked_tensor(out)
+    del out
+    assert torch.equal(view, src[5:])
+    eng.free_cpu_locked_tensor(src)
+    eng.close()
+
+
 def test_unaligned_buffers_offsets_and_dtypes(tmp_path, backend):
     eng = DeepSpeedIOEngine(block_size=8192, queue_depth=4, backend=backend)
     path = str(tmp_path / "f.bin")

@@ -25,6 +25,11 @@ namespace zl {
 namespace {
 
 int sys_setup(unsigned entries, io_uring_params* p) { return static_cast<int>(syscall(__NR_io_uring_setup, entries, p)); }
+constexpr unsigned kRegisterIowqMaxWorkers = 19;  // IORING_REGISTER_IOWQ_MAX_WORKERS (an enum: no #ifdef), 5.15+
+
+int sys_register(int fd, unsigned opcode, void* arg, unsigned nr) {
+  return static_cast<int>(syscall(__NR_io_uring_register, fd, opcode, arg, nr));
+}
 int sys_enter(int fd, unsigned submit, unsigned min_complete, unsigned flags) {
   return static_cast<int>(syscall(__NR_io_uring_enter, fd, submit, min_complete, flags, nullptr, 0));
 }
@@ -51,9 +56,21 @@ struct Slot {  // one in-flight SQE; user_data is the slot index
 class AioRing {
  public:
   AioRing(unsigned depth, bool single_submit, int* err) : single_submit_(single_submit) {
+    // [Note: io-wq workers] A read or write the kernel cannot issue without blocking (its non-blocking attempt
+    // answers -EAGAIN; on this project's virtio VM that is every O_DIRECT block) runs on the ring's io-wq kernel
+    // threads instead, each doing one blocking call. io-wq caps these "bounded" workers (regular-file I/O) at 4 per
+    // CPU, so on 2 CPUs only 8 of queue_depth 32 blocks were really in flight. The cap is raised to the ring's depth
+    // (measured in one run, 1 GiB at depth 32: write 4.47 -> 5.38 GB/s, read 2.10 -> 2.32). COOP_TASKRUN (5.19+)
+    // spares an inter-processor interrupt per completion; older kernels refuse the flag and get a plain ring.
     io_uring_params p{};
+#ifdef IORING_SETUP_COOP_TASKRUN
+    p.flags = IORING_SETUP_COOP_TASKRUN;
+#endif
     fd_ = sys_setup(depth, &p);
+    if (fd_ < 0 && errno == EINVAL) { p = io_uring_params{}; fd_ = sys_setup(depth, &p); }
     if (fd_ < 0) { *err = errno; return; }
+    unsigned workers[2] = {depth, 0};  // {bounded, unbounded (0: unchanged)}; kernels < 5.15 refuse: defaults stay
+    (void)sys_register(fd_, kRegisterIowqMaxWorkers, workers, 2);
     size_t sq_sz = p.sq_off.array + p.sq_entries * sizeof(unsigned);
     size_t cq_sz = p.cq_off.cqes + p.cq_entries * sizeof(io_uring_cqe);
     bool single_mmap = p.features & IORING_FEAT_SINGLE_MMAP;
