@@ -1,9 +1,11 @@
 """One DeepSpeed ZeRO-3 run for ``benchmarks/offload.py`` (the issue's peer), in ``benchmarks/.venv-deepspeed``.
 
-``python offload_deepspeed_worker.py VARIANT CONFIG_JSON SWAP_DIR OUT_JSON`` with the rendezvous variables set.
-Variants: ``ds_zero3`` (in-memory, torch AdamW, as ``benchmarks/zero3.py``) and ``ds_nvme_opt`` (optimizer state on
-NVMe through DeepSpeed's pipelined swapper and its ``async_io`` op, ``DeepSpeedCPUAdam``). Same GPT, data and timing
-rule as the zlightning variants (``_bench_common``).
+``python offload_deepspeed_worker.py VARIANT CONFIG_JSON SWAP_DIR OUT_JSON MLP_WIDTH`` with the rendezvous variables
+set. Variants: ``ds_zero3`` (in-memory, torch AdamW, as ``benchmarks/zero3.py``) and ``ds_nvme_opt`` (optimizer
+state on NVMe through DeepSpeed's pipelined swapper and its ``async_io`` op, ``DeepSpeedCPUAdam``) on the GPT;
+``ds_mlp_zero3`` / ``ds_mlp_nvme_opt`` the same on the state-dominated wide MLP (``offload.mlp_model``, batch 2).
+Same models, data and timing rule as the zlightning variants (``_bench_common``). DeepSpeed's ops are JIT-built
+once into ``TORCH_EXTENSIONS_DIR`` (the driver points it inside the DeepSpeed venv).
 """
 
 from __future__ import annotations
@@ -20,18 +22,23 @@ import torch  # noqa: E402
 
 from _bench_common import BenchConfig, build_model, make_batches  # noqa: E402
 from _deepspeed_worker import deepspeed_config  # noqa: E402
+from offload import MLP_BATCH, mlp_batches, mlp_model  # noqa: E402
 
 
 def main() -> None:
     variant, config, swap, out = sys.argv[1], BenchConfig.from_json(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    mlp_width = int(sys.argv[5]) if len(sys.argv) > 5 else 2048
     import deepspeed
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(config.threads)
-    model = build_model(config)
+    mlp = "_mlp_" in variant
+    model = mlp_model(mlp_width) if mlp else build_model(config)
     ds = deepspeed_config(config)
-    if variant == "ds_nvme_opt":
+    if mlp:
+        ds["train_micro_batch_size_per_gpu"] = MLP_BATCH
+    if variant.endswith("nvme_opt"):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         ds["zero_optimization"]["offload_optimizer"] = {
@@ -46,8 +53,8 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     torch.set_num_threads(config.threads)
     ends = []
-    for x, y in make_batches(config, 0):
-        _, loss = engine(x, y)
+    for x, y in (mlp_batches(mlp_width, config.total_steps) if mlp else make_batches(config, 0)):
+        loss = engine(x).square().mean() if y is None else engine(x, y)[1]
         engine.backward(loss)
         engine.step()
         ends.append(time.perf_counter())

@@ -16,11 +16,24 @@ truncated file is an error, never silently wrong weights.
 All swap I/O goes through ``buffer_count`` host buffers of ``buffer_size`` elements, allocated once, aligned to
 ``IO_ALIGNMENT`` (O_DIRECT) and pinned when a CUDA device is used. Nothing else is allocated per swap, so host
 memory for swapping is bounded by the pool; running out is a clear error that names ``buffer_count``.
+
+[Note: pool memory layout]
+How the pool's pages lie in physical memory decides O_DIRECT speed: every physically contiguous run of pages is one
+scatter-gather segment of a request, and devices limit segments per request (virtio here: 254). A 1 MiB block in
+scattered 4 KiB pages (what ``torch.empty`` of a large buffer gets) is 256 segments, so requests are split and the
+queue drains slowly. Without pinning (CPU-only), a pool of at least one huge page is therefore mapped anonymously,
+2 MiB aligned, advised to transparent huge pages and faulted in at once in one sequential pass; a 1 MiB block is then
+one or two segments. Measured through the swapper by benchmarks/offload.py (256 MiB, 1 MiB blocks, depth 8, medians
+of rotated rounds): write/read 2.3/0.92 GB/s with ``torch.empty`` pages, 4.7/2.1 GB/s with this layout (two runs on
+a shared machine; DeepSpeed's aio measured 3.2/1.5 and 2.4/1.0 in them). Pinned pools (CUDA) keep ``cudaHostAlloc`` memory, which is allocated in large
+physically contiguous chunks already. Nothing else changes: the pool is still one fixed allocation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import mmap
 import time
 from dataclasses import dataclass, field
 
@@ -61,6 +74,30 @@ class SwapBuffer:
         return self.raw.view(dtype)[:numel]
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; older kernels: pages touched instead
+
+
+def _host_backing(nbytes: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(backing, aligned)``: a fresh allocation and its ``IO_ALIGNMENT``-aligned ``nbytes`` (see
+    [Note: pool memory layout])."""
+    if pin or nbytes < _HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS") or not hasattr(mmap.mmap, "madvise"):
+        backing = torch.empty(nbytes + IO_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+        shift = (-backing.data_ptr()) % IO_ALIGNMENT
+        return backing, backing[shift : shift + nbytes]
+    mm = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    backing = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps `mm` alive
+    shift = (-backing.data_ptr()) % _HUGE_PAGE
+    aligned = backing[shift : shift + nbytes]
+    with contextlib.suppress(OSError, AttributeError, ValueError):  # THP unavailable: 4 KiB pages, still prefaulted
+        mm.madvise(mmap.MADV_HUGEPAGE, shift, nbytes)
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE, shift, nbytes)
+    except (OSError, ValueError):
+        aligned[::4096].zero_()
+    return backing, aligned
+
+
 class AlignedBufferPool:
     """``count`` aligned host buffers of ``nbytes`` each, allocated once (see [Note: fixed buffer pool])."""
 
@@ -68,10 +105,8 @@ class AlignedBufferPool:
         nbytes = -(-nbytes // IO_ALIGNMENT) * IO_ALIGNMENT
         self.nbytes = nbytes
         self.count = count
-        backing = torch.empty(count * nbytes + IO_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-        shift = (-backing.data_ptr()) % IO_ALIGNMENT
-        self._backing = backing
-        self.buffers = [SwapBuffer(i, backing[shift + i * nbytes : shift + (i + 1) * nbytes]) for i in range(count)]
+        self._backing, aligned = _host_backing(count * nbytes, pin)
+        self.buffers = [SwapBuffer(i, aligned[i * nbytes : (i + 1) * nbytes]) for i in range(count)]
         self._free = list(reversed(self.buffers))
 
     @property
