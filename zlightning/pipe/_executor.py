@@ -11,13 +11,14 @@ input that receives no gradient (unused) sends zeros so the pairing of sends and
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from zlightning.pipe._module import PipelineModule
-from zlightning.pipe._p2p import P2P, TensorMeta, flatten, unflatten
+from zlightning.pipe._p2p import P2P, Incoming, IncomingGrads, TensorMeta, flatten, unflatten
 from zlightning.pipe._schedule import Action, ActionKind, Schedule
 
 __all__ = ["BatchRun", "describe"]
@@ -67,6 +68,10 @@ class BatchRun:
     _metas: dict[tuple[int, int], list[TensorMeta]] = field(default_factory=dict)
     _dy: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     _dx: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    _upcoming: dict[tuple[ActionKind, int], deque[Action]] = field(default_factory=dict)
+    """Receives of each channel ``(RECV_F / RECV_B, peer)`` not yet posted, in program order."""
+    _posted: dict[tuple[ActionKind, int], tuple[Action, Incoming | IncomingGrads]] = field(default_factory=dict)
+    """The receive posted ahead on each channel (at most one); see [Note: receives posted ahead] in ``_p2p.py``."""
 
     @property
     def last(self) -> int:
@@ -81,8 +86,15 @@ class BatchRun:
             ActionKind.SEND_B: self._send_b,
             ActionKind.RECV_B: self._recv_b,
         }
+        program = self.schedule.programs[self.rank]
+        if self.p2p.can_post_ahead:
+            for a in program:
+                if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                    self._upcoming.setdefault(self._channel(a), deque()).append(a)
+            for channel in self._upcoming:
+                self._post_ahead(channel)
         try:
-            for action in self.schedule.programs[self.rank]:
+            for action in program:
                 if self.timings is not None and action.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
                     start = time.perf_counter()
                     handlers[action.kind](action)
@@ -91,6 +103,43 @@ class BatchRun:
                     handlers[action.kind](action)
         finally:
             self.p2p.wait()
+            self._upcoming.clear()
+            self._posted.clear()
+
+    # ---------------------------------------------------------------------------------------- receives ahead
+    def _channel(self, a: Action) -> tuple[ActionKind, int]:
+        return a.kind, self._peer(a.stage - 1 if a.kind is ActionKind.RECV_F else a.stage + 1)
+
+    def _post_ahead(self, channel: tuple[ActionKind, int]) -> None:
+        """Posts the next receive of ``channel`` unless one is posted already (gradients: once the matching
+        activations are sent, which gives their shapes)."""
+        queue = self._upcoming.get(channel)
+        if not queue or channel in self._posted:
+            return
+        a = queue[0]
+        if a.kind is ActionKind.RECV_F:
+            incoming: Incoming | IncomingGrads = self.p2p.start_recv(channel[1])
+        else:
+            metas = self._metas.get((a.stage, a.microbatch))
+            if metas is None:
+                return
+            incoming = self.p2p.start_recv_grads(metas, channel[1])
+        queue.popleft()
+        self._posted[channel] = (a, incoming)
+
+    def _take_posted(self, a: Action) -> Incoming | IncomingGrads | None:
+        """The receive posted ahead for ``a`` (None: post it now); frees the channel for the next one."""
+        channel = self._channel(a)
+        queue = self._upcoming.get(channel)
+        if queue and queue[0] == a:
+            queue.popleft()  # not posted ahead (only possible when its forward was never sent: the simulator forbids)
+            return None
+        posted = self._posted.pop(channel, None)
+        if posted is None:
+            return None  # posting ahead is off
+        if posted[0] != a:
+            raise AssertionError(f"rank {self.rank}: receive {posted[0]} was posted ahead but {a} runs first")
+        return posted[1]
 
     def _peer(self, stage: int) -> int:
         return self.peers[self.schedule.rank_of(stage)]
@@ -129,13 +178,17 @@ class BatchRun:
             self._x.pop((s, m), None)
 
     def _send_f(self, a: Action) -> None:
-        key = (a.stage, a.microbatch)
-        self._metas[key] = self.p2p.send(self._y[key], self._peer(a.stage + 1))
+        key, peer = (a.stage, a.microbatch), self._peer(a.stage + 1)
+        self._metas[key] = self.p2p.send(self._y[key], peer)
         if not self.schedule.training:
             del self._y[key]
+        self._post_ahead((ActionKind.RECV_B, peer))  # its gradient's shapes are now known
 
     def _recv_f(self, a: Action) -> None:
-        self._x[(a.stage, a.microbatch)] = self.p2p.recv(self._peer(a.stage - 1))
+        incoming = self._take_posted(a)
+        peer = self._peer(a.stage - 1)
+        self._x[(a.stage, a.microbatch)] = self.p2p.recv(peer, incoming)  # type: ignore[arg-type]
+        self._post_ahead((ActionKind.RECV_F, peer))
 
     # ---------------------------------------------------------------------------------------- backward
     def _backward(self, a: Action) -> None:
@@ -169,5 +222,7 @@ class BatchRun:
         self.p2p.send_grads(self._dx.pop((a.stage, a.microbatch)), self._peer(a.stage - 1))
 
     def _recv_b(self, a: Action) -> None:
-        key = (a.stage, a.microbatch)
-        self._dy[key] = self.p2p.recv_grads(self._metas.pop(key), self._peer(a.stage + 1))
+        key, peer = (a.stage, a.microbatch), self._peer(a.stage + 1)
+        incoming = self._take_posted(a)
+        self._dy[key] = self.p2p.recv_grads(self._metas.pop(key), peer, incoming)  # type: ignore[arg-type]
+        self._post_ahead((ActionKind.RECV_B, peer))
