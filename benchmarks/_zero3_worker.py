@@ -108,6 +108,8 @@ def run_lightning(config: BenchConfig, env: RankEnv, out_dir: Path, strategy: st
 
         if strategy == "zstack_zero3_keep":  # one all-gather per unit per step (reshard_after_forward=False)
             trainer_strategy = ZStackZero3Strategy(ZeroConfig(reshard_after_forward=False))
+        if strategy == "zstack_zero3_lowmem":  # fixed 1 MiB glibc mmap threshold (ZeroConfig.host_mmap_threshold)
+            trainer_strategy = ZStackZero3Strategy(ZeroConfig(host_mmap_threshold=1 << 20))
 
     class GPTModule(LightningModule):
         """The benchmark GPT: ``training_step`` returns the loss, AdamW over all parameters."""
@@ -212,6 +214,7 @@ VARIANTS: dict[str, Callable[[BenchConfig, RankEnv, Path], dict[str, Any]]] = {
     "fsdp2": run_fsdp2,
     "zstack_zero3": lambda config, env, out_dir: run_lightning(config, env, out_dir, "zstack_zero3"),
     "zstack_zero3_keep": lambda config, env, out_dir: run_lightning(config, env, out_dir, "zstack_zero3_keep"),
+    "zstack_zero3_lowmem": lambda config, env, out_dir: run_lightning(config, env, out_dir, "zstack_zero3_lowmem"),
 }
 
 

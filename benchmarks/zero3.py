@@ -41,7 +41,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 from _bench_common import REPO_ROOT, BenchConfig, build_model, full_model_state_bytes  # noqa: E402
 
-VARIANTS: tuple[str, ...] = ("ddp", "fsdp2", "deepspeed", "zstack_zero3", "zstack_zero3_keep")
+VARIANTS: tuple[str, ...] = ("ddp", "fsdp2", "deepspeed", "zstack_zero3", "zstack_zero3_keep", "zstack_zero3_lowmem")
 """Benchmark variants, in the order they run; ``ddp`` is the baseline of the ratios."""
 
 DEEPSPEED_VENV = BENCH_DIR / ".venv-deepspeed"

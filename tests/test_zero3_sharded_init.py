@@ -37,7 +37,9 @@ def _meta_init(rank: int, world: int, width: int, depth: int) -> dict[str, Any]:
         model = Wide(width, depth)
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
     before = _peak_rss()
-    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"))
+    config = ZeroConfig(host_mmap_threshold=1 << 20)  # the memory-bounded setting (see _host_memory.py)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero = DeepSpeedZeroOptimizer_Stage3(model, opt, config=config, device=torch.device("cpu"))
     setup_growth = _peak_rss() - before
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
     zero.backward(model(x).pow(2).mean())
@@ -68,7 +70,9 @@ def _under_hard_limit(rank: int, world: int, width: int, depth: int, fraction: f
     try:
         # Memory-bounded settings, as for any model near the limit: a couple of units of prefetch and of gradients
         # in flight (the DeepSpeed defaults, 5e7 and 5e8 elements, would hold up to the whole model of each).
-        config = ZeroConfig(prefetch_bucket_size=2 * width * width, reduce_bucket_size=2 * width * width)
+        config = ZeroConfig(
+            prefetch_bucket_size=2 * width * width, reduce_bucket_size=2 * width * width, host_mmap_threshold=1 << 20
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         zero = DeepSpeedZeroOptimizer_Stage3(model, opt, config=config, device=torch.device("cpu"))
         x = torch.randn(2, width, generator=torch.Generator().manual_seed(rank))

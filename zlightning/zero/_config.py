@@ -97,10 +97,12 @@ class ZeroConfig:
     sync_module_states: bool = True
     """Broadcast parameters and buffers from rank 0 before sharding so every rank starts identical."""
 
-    host_mmap_threshold: int | None = 1 << 20
-    """Bytes. When shards live in host memory, fix glibc's mmap threshold at this size so the large blocks a step
-    allocates and frees go back to the OS instead of fragmenting the heap (see [Note: why ZeRO on the host sets
-    glibc's mmap threshold] in ``_host_memory.py``). None: leave the allocator alone."""
+    host_mmap_threshold: int | None = None
+    """Bytes, e.g. ``1 << 20``. When shards live in host memory, fix glibc's mmap threshold at this size so the large
+    blocks a step allocates and frees go back to the OS instead of fragmenting the heap: peak RSS near the sharded
+    ideal, at a step-time cost (every large block is page-faulted afresh; 25% slower on the CPU benchmark). See
+    [Note: why ZeRO on the host sets glibc's mmap threshold] in ``_host_memory.py``. None (default): glibc's own
+    dynamic threshold — fastest, but resident memory can grow to several full models' worth of freed blocks."""
 
     mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     """Gather and reduce dtypes. The Lightning strategy sets this from ``Trainer(precision=...)``."""
