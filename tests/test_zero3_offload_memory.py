@@ -42,7 +42,10 @@ def _peak_growth(path: str | None) -> dict[str, Any]:
     model = nn.Sequential(*[_Layer() for _ in range(DEPTH)])
     offload = NVMeOffload(path=path, buffer_size=256 * 1024, buffer_count=6, io_engine="portable") if path else None
     zero = DeepSpeedZeroOptimizer_Stage3(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=ZeroConfig(offload_optimizer=offload, reduce_bucket_size=BUCKET)
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        # memory-bounded host allocator (see zlightning/zero/_host_memory.py): freed step buffers go back to the OS
+        config=ZeroConfig(offload_optimizer=offload, reduce_bucket_size=BUCKET, host_mmap_threshold=1 << 20),
     )
     x = torch.randn(BATCH, WIDTH)
     built, _ = _rss()
