@@ -5,7 +5,8 @@ An Adam step on fp32 state reads param, grad, exp_avg, exp_avg_sq (16 bytes per 
 exp_avg, exp_avg_sq (12 bytes): it is bound by memory bandwidth, not arithmetic. The native kernel
 (``csrc/adam_isa.cpp``) touches each byte once, in cache-sized chunks spread over torch's OpenMP threads; writing a
 bf16/fp16 copy of the updated parameter (what an offloaded step sends to the GPU) costs 2 more bytes in the same pass
-instead of a second pass reading 4 and writing 2. The arithmetic follows ``torch.optim.AdamW``'s single-tensor
+instead of a second pass reading 4 and writing 2 (plus 2 read for ownership of the written lines): on AVX-512 large
+copies go out with streaming stores, see [Note: the low-precision copy folded into the step's memory traffic]. The arithmetic follows ``torch.optim.AdamW``'s single-tensor
 code operation by operation (no FMA contraction), so results agree with it to within an ulp per step.
 
 [Note: bf16 parameters keep an fp32 master]

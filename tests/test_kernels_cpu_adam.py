@@ -180,6 +180,42 @@ def test_threads_do_not_change_results():
 
 
 @native
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_decay,adamw_mode", [(0.0, True), (0.05, True), (0.05, False)])
+def test_large_copy_path_matches_plain_step_and_to(copy_dtype, grad_dtype, weight_decay, adamw_mode):
+    """Above 64 Ki elements the AVX-512 kernel writes the copy with streaming stores (its own vector loop): the
+    state must equal the no-copy step bit for bit and the copy must equal ``param.to(copy_dtype)``, from
+    misaligned views, with NaN/inf/denormal/overflowing values in the update."""
+    n, off = 200_003, 3  # odd sizes and offsets: unaligned head and tail around the vector body
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(4, n + off, generator=gen)
+    base[3].abs_()
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 7e4, 3.0e38, 0.0])
+    base[0, 100_000:100_008] = specials  # values the copy must round exactly as torch does
+    base[1:, 100_000:100_008] = 0.0  # zero grad and moments there: the update keeps them (denormals included)
+    for isa in _isas():
+        torch.ops.zlightning.set_isa(isa)
+        try:
+            with_copy = [t.clone()[off:] for t in base]
+            without = [t.clone()[off:] for t in base]
+            copy = torch.empty(n + 1, dtype=copy_dtype)[1:]  # 2 bytes past an aligned start
+            for state, c in ((with_copy, copy), (without, None)):
+                p, g, m, v = state
+                for step in (1, 2):
+                    torch.ops.zlightning.adam_step_(p, g.to(grad_dtype), m, v, c, 1e-3, 0.9, 0.999, 1e-8,
+                                                    weight_decay, step, True, adamw_mode)
+            for a, b in zip(with_copy, without):
+                assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), isa
+            expect = with_copy[0].to(copy_dtype)
+            assert torch.equal(copy.view(torch.int16), expect.view(torch.int16)) or (
+                torch.equal(copy.isnan(), expect.isnan())
+                and torch.equal(copy[~copy.isnan()], expect[~expect.isnan()])), isa
+        finally:
+            torch.ops.zlightning.set_isa("")
+
+
+@native
 def test_native_op_checks_its_inputs():
     p, m, v = torch.zeros(4), torch.zeros(4), torch.zeros(4)
     with pytest.raises(RuntimeError, match="equal numel"):
