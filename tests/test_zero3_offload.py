@@ -4,6 +4,7 @@ TensorBoard swap metrics, and swap folders removed afterwards. Real files in tmp
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,9 @@ def _fit(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     return {
         "state": {k: v.clone() for k, v in module.state_dict().items()},
         "optimizer_type": type(trainer.optimizers[0]).__name__,
-        "swap_files_after": _files_under(swap) if os.path.isdir(swap) else [],
+        # This rank's own folder only: another rank may still be removing its folder in its own teardown.
+        "swap_files_after": [f for f in _files_under(swap) if re.search(rf"-rank{rank}(-|/|$)", f)]
+        if os.path.isdir(swap) else [],
     }
 
 

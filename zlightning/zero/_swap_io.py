@@ -262,14 +262,7 @@ def _remove_tree(folder: Path) -> None:
         os.replace(folder, trash)  # atomic: two ranks cleaning the same stale folder do not collide
     except OSError:
         return
-    # A straggling I/O completion can still touch the folder while it is being removed (seen once in CI: one swap
-    # file left in the trash folder): retry briefly until it is really gone.
-    deadline = time.monotonic() + 5.0
-    while True:
-        shutil.rmtree(trash, ignore_errors=True)
-        if not trash.exists() or time.monotonic() > deadline:
-            return
-        time.sleep(0.05)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 _LIVE: dict[int, SwapDirectory] = {}
