@@ -22,6 +22,7 @@ per-layer files, per-rank optimizer files, Lightning's loop state as client stat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Callable, Generator
 from datetime import timedelta
@@ -50,6 +51,7 @@ from typing_extensions import override
 from zlightning.pipe import PipeGrid, PipelineConfig, PipelineEngine, PipelineModule
 from zlightning.pipe._checkpoint import is_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.pipe._partition import layer_weights
+from zlightning.zero import LossScalerConfig
 
 __all__ = ["PipelinePrecision", "PipelineStrategy"]
 
@@ -65,18 +67,20 @@ def _check_partition(partition: str) -> None:
 
 
 class PipelinePrecision(Precision):
-    """Full precision (``"32-true"``) or bf16 autocast (``"bf16-mixed"``) around the pipeline, with the engine's
-    gradient reduction, global clipping and ZeRO-1 around the optimizer step (see [Note: how a step maps onto
-    Lightning])."""
+    """Full precision (``"32-true"``), bf16 autocast (``"bf16-mixed"``) or fp16 autocast with dynamic loss scaling
+    (``"16-mixed"``) around the pipeline, with the engine's gradient reduction, global clipping and ZeRO-1 around the
+    optimizer step (see [Note: how a step maps onto Lightning]). With ``"16-mixed"`` the engine scales the loss inside
+    the schedule, unscales and checks the gradients of the whole grid after the reduction, and an overflow skips the
+    optimizer step on every rank (see [Note: fp16 loss scaling] in ``zlightning.pipe``)."""
 
-    def __init__(self, precision: Literal["32-true", "bf16-mixed"] = "32-true") -> None:
-        if precision not in ("32-true", "bf16-mixed"):
+    def __init__(self, precision: Literal["32-true", "bf16-mixed", "16-mixed"] = "32-true") -> None:
+        if precision not in ("32-true", "bf16-mixed", "16-mixed"):
             raise ValueError(
-                f"zstack_pipeline supports precision '32-true' or 'bf16-mixed', got {precision!r} (fp16 needs loss "
-                "scaling inside the schedule, which is not implemented)"
+                f"zstack_pipeline supports precision '32-true', 'bf16-mixed' or '16-mixed', got {precision!r}"
             )
         self.precision = precision  # type: ignore[assignment]
         self.engine: PipelineEngine | None = None
+        self._overflow = False
 
     def _engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -86,9 +90,9 @@ class PipelinePrecision(Precision):
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.precision == "bf16-mixed":
+        if self.precision in ("bf16-mixed", "16-mixed"):
             device = self.engine.device.type if self.engine is not None else "cpu"
-            with torch.autocast(device, dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16):
                 yield
         else:
             yield
@@ -97,19 +101,30 @@ class PipelinePrecision(Precision):
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         result = closure()
         self._engine().reduce_gradients()
+        self._overflow = self._engine().unscale_and_check()  # fp16 only; False otherwise
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
         self._engine().before_step()
         return result
 
     @override
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
-        out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
-        self._engine().after_step()
-        return out
+        engine = self._engine()
+        if engine.scaler is None:
+            out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
+            engine.after_step()
+            return out
+        # fp16: the closure runs first (as Lightning's MixedPrecision does) so that an overflow skips the step
+        result = self._wrap_closure(model, optimizer, closure)
+        if not self._overflow:
+            optimizer.step(**kwargs)
+            engine.after_step()
+        engine.update_scale(self._overflow)
+        return result
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        self._engine().clip_grad_norm_(float(clip_val))
+        if not self._overflow:  # the step is skipped anyway; inf gradients would make the norm NaN
+            self._engine().clip_grad_norm_(float(clip_val))
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -124,7 +139,8 @@ class PipelineStrategy(ParallelStrategy):
         micro_batches: micro-batches per training batch (the loader's batch size must be a multiple).
         schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"``.
         partition: overrides the module's ``partition_method`` (``"parameters"``, ``"uniform"``, ``"type:REGEX"``).
-        config: full engine config instead of ``micro_batches``/``schedule`` (virtual stages, ZeRO-1).
+        config: full engine config instead of ``micro_batches``/``schedule`` (virtual stages, ZeRO-1, loss scaler).
+            ``Trainer(precision="16-mixed")`` adds the default ``LossScalerConfig()`` when ``config`` has none.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
         process_group_backend, timeout, start_method: as Lightning's DDP strategy.
     """
@@ -263,7 +279,10 @@ class PipelineStrategy(ParallelStrategy):
         if self.partition is not None and not pipe.is_built:
             pipe.partition_method = self.partition
         if self.engine is None:
-            self.engine = PipelineEngine(pipe, None, self.config, num_stages=self.grid().pp, device=self.root_device)
+            config = self.config
+            if getattr(self.precision_plugin, "precision", None) == "16-mixed" and config.loss_scaler is None:
+                config = dataclasses.replace(config, loss_scaler=LossScalerConfig())
+            self.engine = PipelineEngine(pipe, None, config, num_stages=self.grid().pp, device=self.root_device)
         pipe.runner = self.engine  # (again, after a teardown: fit then predict with one Trainer)
         self.engine.loss_scale_factor = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.engine.stash_gradients = True  # see [Note: gradients across Lightning's zero_grad] in zlightning.pipe

@@ -184,8 +184,11 @@ def test_strategy_is_registered_and_validates_arguments() -> None:
         PipelineStrategy(micro_batches=8, config=PipelineConfig())
     with pytest.raises(ValueError, match="num_stages"):
         PipelineStrategy(num_stages=0)
-    with pytest.raises(ValueError, match="'32-true' or 'bf16-mixed'"):
-        PipelinePrecision("16-mixed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'32-true', 'bf16-mixed' or '16-mixed'"):
+        PipelinePrecision("16-true")  # type: ignore[arg-type]
+    assert PipelinePrecision("16-mixed").precision == "16-mixed"
+    with pytest.raises(ValueError, match="loss_scaler must be None or a zlightning.zero.LossScalerConfig"):
+        PipelineConfig(loss_scaler={"initial_scale_power": 8})  # type: ignore[arg-type]
     strategy = PipelineStrategy(num_stages=2, micro_batches=8, schedule="gpipe", partition="type:Block")
     assert strategy.config == PipelineConfig(micro_batches=8, schedule="gpipe")
 
@@ -207,3 +210,16 @@ def test_single_process_checkpoint_and_cli_consolidation(tmp_path: Path) -> None
     other = PipelineEngine(PipelineModule([LayerSpec(nn.Linear, 2, 2) for _ in range(4)]))
     with pytest.raises(ValueError, match="holds 6 layers but the PipelineModule has 4"):
         load_pipeline_checkpoint(other, tmp_path / "ckpt")
+    # an optimizer file from before parameter names were recorded: same grid loads, another grid says why not
+    optim_file = tmp_path / "ckpt" / "optim_pp00_dp00.pt"
+    saved = torch.load(optim_file, weights_only=False)
+    assert len(saved["param_names"]) == len(list(engine.module.parameters())) and None not in saved["param_names"]
+    torch.save(saved["optimizer"], optim_file)
+    again = PipelineEngine(gpt_pipeline(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-2), PipelineConfig(micro_batches=2))
+    load_pipeline_checkpoint(again, tmp_path / "ckpt")
+    assert len(again.optimizer.state) == len(engine.optimizer.state) > 0
+    meta = torch.load(tmp_path / "ckpt" / "meta.pt", weights_only=True)
+    torch.save({**meta, "pp": 2, "bounds": [0, 3, 6]}, tmp_path / "ckpt" / "meta.pt")
+    with pytest.raises(ValueError, match="without parameter names .* load_optimizer=False"):
+        load_pipeline_checkpoint(again, tmp_path / "ckpt")
+    load_pipeline_checkpoint(again, tmp_path / "ckpt", load_optimizer=False)  # weights still load

@@ -6,15 +6,27 @@ Layout of a checkpoint directory::
     meta.pt                          split, grid, tie keys, format version (written by global rank 0)
     layer_{idx:03d}-model_states.pt  state dict of layer idx (written by data-parallel rank 0 of its stage)
     tied_{key}-model_states.pt       a tie group's module (written by its lowest owning stage)
-    optim_pp{stage:02d}_dp{dp:02d}.pt  optimizer state of that rank (ZeRO-1: only its own parameters' state)
+    optim_pp{stage:02d}_dp{dp:02d}.pt  optimizer state of that rank (ZeRO-1: only its own parameters' state), with
+                                     the model name of each of its parameters
     client_state.pt                  anything else (Lightning's loop state), from global rank 0
 
 Like the ZeRO checkpoints (``zlightning.zero``), every rank writes only what it owns and no rank gathers the model.
+
+[Note: optimizer state on another grid]
+An optimizer file stores ``{"optimizer": state_dict, "param_names": [...]}``: the name (in a one-stage
+``PipelineModule``: ``"{layer}.{param}"`` or ``"tied_modules.{key}.{param}"``) of every parameter, in the order the
+optimizer indexes them. Loaded on the grid it was saved on, each rank reads its own file. On another grid (other
+stage count, split or data-parallel size) each rank reads every optimizer file, takes the per-parameter state of
+the parameters it now holds (with ZeRO-1: only those it now owns) by name, and the hyperparameters of the saved
+group each came from; so ZeRO-1 state saved on DP=2 x PP=2 resumes on PP=4 or DP=1 x PP=2 exactly. This needs an
+optimizer whose state is per parameter (every ``torch.optim`` optimizer except LBFGS) and the same param-group
+layout on both sides. A tied parameter's state is the same on all its owning stages; any copy serves.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +38,7 @@ from zlightning.pipe._engine import PipelineEngine
 __all__ = ["consolidate_pipeline_checkpoint", "is_pipeline_checkpoint", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
 _FORMAT = "zlightning-pipeline-v1"
+_OPTIM_RE = re.compile(r"^optim_pp(\d+)_dp(\d+)\.pt$")
 
 
 def is_pipeline_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -60,13 +73,68 @@ def save_pipeline_checkpoint(
                 torch.save(module.tied_modules[key].state_dict(), path / f"tied_{key}-model_states.pt")
     optimizer = optimizer if optimizer is not None else engine.optimizer
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), path / f"optim_pp{grid.stage:02d}_dp{grid.dp_rank:02d}.pt")
+        names = _param_names(engine)
+        optim = {"optimizer": optimizer.state_dict(), "param_names": [names.get(id(p)) for p in _optimizer_params(optimizer)]}
+        torch.save(optim, path / f"optim_pp{grid.stage:02d}_dp{grid.dp_rank:02d}.pt")
     if grid.rank == 0:
         meta = {"format": _FORMAT, "bounds": module.bounds, "pp": grid.pp, "dp": grid.dp, "num_layers": len(module.specs),
-                "zero_stage": engine.config.zero_stage}
+                "zero_stage": engine.config.zero_stage, "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
         torch.save(meta, path / "meta.pt")
         torch.save(client_state or {}, path / "client_state.pt")
     _barrier()
+
+
+def _param_names(engine: PipelineEngine) -> dict[int, str]:
+    """Grid-independent name of every local parameter (tie groups by their ``tied_modules`` name)."""
+    names: dict[int, str] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        old = names.get(id(p))
+        if old is None or (name.startswith("tied_modules.") and not old.startswith("tied_modules.")):
+            names[id(p)] = name
+    return names
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _split_optim_file(data: dict[str, Any]) -> tuple[dict[str, Any], list[str | None] | None]:
+    if "param_names" in data and "optimizer" in data:
+        return data["optimizer"], data["param_names"]
+    return data, None  # written before names were recorded
+
+
+def _load_regridded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, path: Path, meta: dict[str, Any]) -> None:
+    """See [Note: optimizer state on another grid]."""
+    names = _param_names(engine)
+    params = _optimizer_params(optimizer)
+    owned = {id(p) for p in params}
+    if engine.zero1 is not None:
+        owned = {id(p) for p, o in zip(engine.zero1.params, engine.zero1.owner) if o == engine.grid.dp_rank}
+    wanted = {names[id(p)]: i for i, p in enumerate(params) if id(p) in names and id(p) in owned}
+    state: dict[int, Any] = {}
+    group_of: dict[int, dict[str, Any]] = {}
+    files = sorted(f for f in path.iterdir() if _OPTIM_RE.match(f.name))
+    for f in files:
+        # on the host: only this rank's share is kept; load_state_dict moves it next to the parameters
+        saved, saved_names = _split_optim_file(torch.load(f, map_location="cpu", weights_only=False))
+        if saved_names is None:
+            raise ValueError(
+                f"{f}: optimizer state was saved on a {meta['pp']} x {meta['dp']} grid without parameter names (an older "
+                "checkpoint); it reloads only on the same grid and split. Load with load_optimizer=False (weights only)"
+            )
+        index_group = {i: g for g in saved["param_groups"] for i in g["params"]}
+        for i, name in enumerate(saved_names):
+            if name in wanted and i in saved["state"] and wanted[name] not in state:
+                state[wanted[name]] = saved["state"][i]
+                group_of[wanted[name]] = index_group[i]
+    current = optimizer.state_dict()
+    groups = []
+    for g in current["param_groups"]:
+        source = next((group_of[i] for i in g["params"] if i in group_of), None)
+        hyper = {k: v for k, v in (source or g).items() if k not in ("params", "param_names")}
+        groups.append({**g, **hyper})  # this grid's parameter indices (and names, if any), the saved hyperparameters
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -81,11 +149,13 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def load_pipeline_checkpoint(
     engine: PipelineEngine, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, load_optimizer: bool = True
 ) -> dict[str, Any]:
-    """Loads the layers this rank holds (any earlier stage count works for the model) and, with the same grid, its
-    optimizer state. Re-broadcasts tied weights. Returns the client state.
+    """Loads the layers this rank holds (any earlier stage count works for the model), the optimizer state (on any
+    grid; see [Note: optimizer state on another grid]) and the fp16 loss scale (with ``load_optimizer``).
+    Re-broadcasts tied weights. Returns the client state.
 
     Raises:
-        ValueError: the checkpoint has another layer count, or optimizer state was saved on a different grid.
+        ValueError: the checkpoint has another layer count, or it is an older checkpoint (no parameter names) whose
+            optimizer state was saved on a different grid.
     """
     path = Path(path)
     meta = _read_meta(path)
@@ -99,14 +169,13 @@ def load_pipeline_checkpoint(
     optimizer = optimizer if optimizer is not None else engine.optimizer
     if optimizer is not None and load_optimizer:
         same = meta["pp"] == grid.pp and meta["dp"] == grid.dp and meta["bounds"] == module.bounds
-        if not same:
-            raise ValueError(
-                f"{path}: optimizer state was saved on a {meta['pp']} x {meta['dp']} grid with split {meta['bounds']}; "
-                f"this run is {grid.pp} x {grid.dp} with split {module.bounds}. Load with load_optimizer=False "
-                "(weights only) to change the grid"
-            )
-        osd = torch.load(path / f"optim_pp{grid.stage:02d}_dp{grid.dp_rank:02d}.pt", map_location=engine.device, weights_only=False)
-        optimizer.load_state_dict(osd)
+        if same and (grid.dp == 1 or meta.get("zero_stage", 0) == engine.config.zero_stage):
+            own = torch.load(path / f"optim_pp{grid.stage:02d}_dp{grid.dp_rank:02d}.pt", map_location=engine.device, weights_only=False)
+            optimizer.load_state_dict(_split_optim_file(own)[0])
+        else:
+            _load_regridded(engine, optimizer, path, meta)
+    if load_optimizer and engine.scaler is not None and meta.get("loss_scaler") is not None:
+        engine.scaler.load_state_dict(meta["loss_scaler"])
     engine._sync_replicas()
     return torch.load(path / "client_state.pt", weights_only=False)
 

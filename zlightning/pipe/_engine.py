@@ -14,6 +14,17 @@ only owned parameters, then broadcast), and zeroes gradients. Every micro-batch 
 ``1 / (micro_batches * accumulation)`` before backward, so gradients are those of the mean loss of the global batch,
 equal to a one-process run on the concatenated batch. The returned loss is the mean over micro-batches and
 data-parallel replicas, identical on every rank.
+
+[Note: fp16 loss scaling]
+With ``PipelineConfig(loss_scaler=LossScalerConfig(...))`` every micro-batch loss is also multiplied by the current
+scale before its backward (the scale is fixed for a whole batch and accumulation window), so activation gradients
+cross stage boundaries scaled, as in one process. Before the step (after the tied and data-parallel reductions),
+``unscale_and_check`` divides every local gradient by the scale and tests it for inf/NaN; one MAX all-reduce over
+all ranks (every stage and every data-parallel replica) makes the verdict global, since an overflow on one stage
+must skip the step on all of them or the stages' weights would drift apart. On overflow every rank drops its
+gradients, skips the optimizer step (``skipped_steps`` += 1) and the shared ``DynamicLossScaler`` (hysteresis,
+window, minimum: DeepSpeed's semantics, reused from ``zlightning.zero``) lowers the scale identically everywhere.
+The scaler's state is part of the pipeline checkpoint (``meta.pt``, written once since every rank holds the same).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
 from zlightning.pipe._schedule import Schedule, build_schedule
 from zlightning.pipe._topology import PipeGrid, PipeGroups
+from zlightning.zero import DynamicLossScaler, LossScalerConfig
 
 __all__ = ["PipelineConfig", "PipelineEngine", "split_microbatches"]
 
@@ -57,6 +69,9 @@ class PipelineConfig:
     """0, or 1 to shard optimizer state over the data-parallel group."""
     gradient_clipping: float = 0.0
     """Clip by global norm (0: off). Used by ``train_batch``; Lightning passes ``Trainer(gradient_clip_val)``."""
+    loss_scaler: LossScalerConfig | None = None
+    """Dynamic loss scaling for fp16 (DeepSpeed's ``fp16`` block; see [Note: fp16 loss scaling]); None: off.
+    ``Trainer(precision="16-mixed")`` sets the default ``LossScalerConfig()`` when this is None."""
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -77,6 +92,10 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig: zero_stage must be 0 or 1, got {self.zero_stage!r}")
         if self.gradient_clipping < 0:
             raise ValueError(f"PipelineConfig: gradient_clipping must be >= 0, got {self.gradient_clipping}")
+        if self.loss_scaler is not None and not isinstance(self.loss_scaler, LossScalerConfig):
+            raise ValueError(
+                f"PipelineConfig: loss_scaler must be None or a zlightning.zero.LossScalerConfig, got {type(self.loss_scaler).__name__}"
+            )
 
     @property
     def chunks_per_rank(self) -> int:
@@ -173,6 +192,10 @@ class PipelineEngine:
             self.zero1 = Zero1Sharding.plan(params, self.grid.dp, self.grid.dp_rank, self.grid.dp_ranks(self.grid.stage), self.groups.data)
         self.loss_scale_factor = 1.0
         """Extra loss multiplier (Lightning sets ``1 / accumulate_grad_batches``)."""
+        self.scaler: DynamicLossScaler | None = DynamicLossScaler(config.loss_scaler) if config.loss_scaler is not None else None
+        """fp16 dynamic loss scale; see [Note: fp16 loss scaling]."""
+        self.skipped_steps = 0
+        """Optimizer steps skipped because of an fp16 overflow."""
         self.stash_gradients = False
         """Move gradients aside after each ``forward_backward`` until ``restore_gradients``; see
         [Note: gradients across Lightning's zero_grad]."""
@@ -217,20 +240,26 @@ class PipelineEngine:
         run = BatchRun(
             self.module, schedule, self.grid.stage, self.p2p, peers,
             [_to(x, self.device) for x in inputs], [_to(y, self.device) for y in labels],
-            loss_scale=self.loss_scale_factor / schedule.num_microbatches, keep_outputs=keep, with_loss=with_loss,
+            loss_scale=self.loss_scale_factor * self.loss_scale / schedule.num_microbatches, keep_outputs=keep, with_loss=with_loss,
             timings=self.timings,
         )
         run.run()
         return run
 
-    def _mean_loss(self, run: BatchRun) -> torch.Tensor:
-        """Mean micro-batch loss of the last stage, broadcast over the pipe group and averaged over replicas."""
+    def _mean_loss(self, run: BatchRun, deferred: list[Any] | None = None) -> torch.Tensor:
+        """Mean micro-batch loss of the last stage, broadcast over the pipe group and averaged over replicas. With
+        ``deferred`` (a list) and no data parallelism the broadcast is left in flight and its work appended there
+        (``train_batch`` overlaps it with the optimizer step and waits before returning)."""
         if self.is_last_stage:
             loss = torch.stack(run.losses).mean().float() if run.losses else torch.zeros((), device=self.device)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if dist.is_initialized():
-            dist.broadcast(loss, src=self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank), group=self.groups.pipe)
+            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank)
+            if deferred is not None and self.grid.dp == 1:
+                deferred.append(dist.broadcast(loss, src=src, group=self.groups.pipe, async_op=True))
+                return loss
+            dist.broadcast(loss, src=src, group=self.groups.pipe)
             if self.grid.dp > 1:
                 dist.all_reduce(loss, group=self.groups.data)
                 loss /= self.grid.dp
@@ -251,7 +280,7 @@ class PipelineEngine:
         inputs, labels = _unpack(batch)
         return split_microbatches(inputs, m, "input"), split_microbatches(labels, m, "label") if labels is not None else [None] * m
 
-    def forward_backward(self, batch: Any = None, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+    def forward_backward(self, batch: Any = None, data_iter: Iterator[Any] | None = None, *, _deferred: list[Any] | None = None) -> torch.Tensor:
         """Runs the training schedule (forwards and backwards, gradients accumulate in ``.grad``); no reduction or
         step. Returns the mean loss (same on every rank)."""
         if not torch.is_grad_enabled():
@@ -263,7 +292,7 @@ class PipelineEngine:
             before = {p: p.grad for p in self.module.parameters()}
             for p in before:
                 p.grad = None
-        loss = self._mean_loss(self._run(self.train_schedule, inputs, labels, keep=False, with_loss=True))
+        loss = self._mean_loss(self._run(self.train_schedule, inputs, labels, keep=False, with_loss=True), _deferred)
         if self.stash_gradients:
             for p, old in before.items():
                 if p.grad is not None:
@@ -291,12 +320,18 @@ class PipelineEngine:
         """
         if self.optimizer is None:
             raise RuntimeError("PipelineEngine.train_batch needs an optimizer; pass optimizer= to PipelineEngine")
-        loss = self.forward_backward(batch, data_iter)
+        in_flight: list[Any] = []
+        loss = self.forward_backward(batch, data_iter, _deferred=in_flight)
         self.reduce_gradients()
-        if self.config.gradient_clipping > 0:
-            self.clip_grad_norm_(self.config.gradient_clipping)
-        self.step(self.optimizer)
+        overflow = self.unscale_and_check()
+        if not overflow:
+            if self.config.gradient_clipping > 0:
+                self.clip_grad_norm_(self.config.gradient_clipping)
+            self.step(self.optimizer)
+        self.update_scale(overflow)
         self.optimizer.zero_grad(set_to_none=True)
+        for work in in_flight:
+            work.wait()
         return loss
 
     @torch.no_grad()
@@ -353,6 +388,37 @@ class PipelineEngine:
         for p in params:
             p.grad.mul_(coef.to(p.grad.dtype))
         return norm
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without a loss scaler)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @torch.no_grad()
+    def unscale_and_check(self) -> bool:
+        """Divides every gradient by the loss scale and tells whether any rank of the whole grid found an inf/NaN
+        (one MAX all-reduce over all ranks). Without a loss scaler: False, no communication. Call after
+        ``reduce_gradients``; see [Note: fp16 loss scaling]."""
+        if self.scaler is None:
+            return False
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            found += torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any().float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item() > 0)
+
+    def update_scale(self, overflow: bool) -> None:
+        """Advances the loss scale after a step attempt; on overflow drops all gradients (the step was skipped)."""
+        if self.scaler is None:
+            return
+        if overflow:
+            self.skipped_steps += 1
+            for p in self.module.parameters():
+                p.grad = None
+        self.scaler.update(overflow)
 
     def before_step(self) -> None:
         """ZeRO-1: drop gradients of parameters another replica steps."""
