@@ -54,6 +54,7 @@ import lightning.pytorch as pl
 from zlightning.compile import CompileConfig
 from zlightning.compile._zero3 import ZeroCompileHandle, compile_zero3
 from zlightning.inject._api import TPGroups, apply_tensor_parallel
+from zlightning.inject._clip import tp_model_parallel_grads
 from zlightning.strategies._precision import ZeroPrecision
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
 from zlightning.zero._offload_optimizer import OffloadedAdam
@@ -109,16 +110,23 @@ class ZStackZero3Strategy(ParallelStrategy):
             ``"zstack_zero3_offload"`` (CPU) and ``"zstack_zero3_nvme"`` (NVMe, optimizer and parameters).
         offload_params: ``NVMeOffload(path=...)``: parameter shards in swap files between uses. With any NVMe
             offload, swap traffic is logged per step as ``offload/swap_*`` (bytes, MB/s).
-        compile: True or a ``CompileConfig``: compile each ZeRO unit with ``zlightning.compile.backend_fn`` at setup
-            (Lightning refuses user-compiled models for custom strategies, so the strategy compiles).
+        compile: True or a ``CompileConfig``: compile the model with ``zlightning.compile.compile_zero3`` at setup
+            (Lightning refuses user-compiled models for custom strategies, so the strategy compiles). The default
+            ``mode="unit"`` compiles each ZeRO unit; ``CompileConfig(mode="graph")`` (or ``"auto"``) puts the ZeRO-3
+            collectives inside one compiled graph of the model (the step must call the model, e.g.
+            ``self.model(x)``; per-unit mode is used with offload or tensor parallelism).
         tensor_parallel_size: > 1 gives a DP x TP grid: ``zlightning.inject`` shards every Linear over contiguous
-            groups of this many ranks, ZeRO-3 shards over the strided data-parallel groups, and the sampler sees
-            data-parallel ranks only.
+            groups of this many ranks, ZeRO-3 shards over the strided data-parallel groups, and the sampler,
+            ``self.log(..., sync_dist=True)`` and the module's torchmetrics metrics see data-parallel ranks only
+            (``data_parallel_group``). ``gradient_clip_val`` clips the norm of the whole model.
 
     [Note: tensor parallel and compile in the strategy]
     Tensor parallelism is applied once, before the optimizers are built (``configure_optimizers`` then sees the
     tensor-parallel shards, which ZeRO-3 shards further across the data-parallel group); the modules stay
-    tensor-parallel after ``fit`` (``zlightning.inject.tp_full_state`` gathers full weights). Compilation wraps each
+    tensor-parallel after ``fit`` (``zlightning.inject.tp_full_state`` gathers full weights). Gradient clipping
+    (``Trainer(gradient_clip_val=...)``) and the fp16 overflow check see the whole grid: the engine is told which
+    parameters are split across the TP group (``ZeroState.model_parallel``), so slices are summed over TP, replicated
+    parameters counted once and ZeRO pieces summed over DP. Compilation wraps each
     unit's forward after sharding, so the engine's gather/release hooks stay at unit boundaries, and is undone in
     ``teardown`` before the module is unsharded.
     """
@@ -224,6 +232,12 @@ class ZStackZero3Strategy(ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
 
     @property
+    def data_parallel_group(self) -> torch.distributed.ProcessGroup | None:
+        """The data-parallel group under ``tensor_parallel_size > 1`` (None otherwise: the world). Pass it as
+        ``process_group=`` to torchmetrics metrics created outside the LightningModule's ``__init__``."""
+        return self._tp.dp_group if self._tp is not None else None
+
+    @property
     def engine(self) -> ZeroState | None:
         """The ZeRO-3 engine state while the model is sharded (between setup and teardown)."""
         return self._engine
@@ -283,15 +297,10 @@ class ZStackZero3Strategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model_to_device()
         if self.tensor_parallel_size > 1 and self._tp is None:  # once: the modules stay tensor-parallel afterwards
-            if trainer.gradient_clip_val:
-                raise ValueError(
-                    "ZStackZero3Strategy(tensor_parallel_size>1) does not support Trainer(gradient_clip_val=...) yet: "
-                    "the global gradient norm would miss the other tensor-parallel shards; remove gradient clipping "
-                    "or use tensor_parallel_size=1"
-                )
             if self.model is None:
                 raise AssertionError("setup() before connect()")
             self._tp = apply_tensor_parallel(self.model, self.tensor_parallel_size)
+            _metrics_to_group(self.model, self._tp.dp_group)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)  # over full parameters: see [Note: optimizers before sharding]
@@ -303,7 +312,11 @@ class ZStackZero3Strategy(ParallelStrategy):
         if self.model is None:
             raise AssertionError("setup() before connect()")
         dp_group = self._tp.dp_group if self._tp is not None else None
+        tp_grads = tp_model_parallel_grads(self.model, self._tp.tp_group) if self._tp is not None else None
         self._engine = zero3_shard(self.model, config, process_group=dp_group, device=self.root_device)
+        # clipping and the fp16 overflow check also reduce over the TP group: see [Note: tensor parallel and compile
+        # in the strategy]
+        self._engine.model_parallel = tp_grads
         if self.compile_config is not None:
             self._compiled = compile_zero3(self._engine, self.compile_config)
         # Only this run's optimizers (validate/test after fit keep the fit's, which are not sharded anymore).
@@ -467,9 +480,18 @@ class ZStackZero3Strategy(ParallelStrategy):
     # ---------------------------------------------------------------- collectives used by Lightning
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """``self.log(..., sync_dist=True)`` reduces over the data-parallel group by default: TP peers hold the same
+        replica, so a world-wide sum would count each replica ``tensor_parallel_size`` times."""
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group,
+                                          reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # every rank of the grid must agree (early stopping, checkpoint decisions): reduce over the world
+        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -619,6 +641,17 @@ class ZeroMemoryMonitor(Callback):
         self.last = strategy.memory_report()
         mb = {f"zero/{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
         pl_module.log_dict(mb, rank_zero_only=True)
+
+
+def _metrics_to_group(module: torch.nn.Module, group: torch.distributed.ProcessGroup) -> None:
+    """Points the torchmetrics metrics of ``module`` that sync over the world (``process_group=None``) at the
+    data-parallel group: TP peers update them with the same batches, so a world-wide sync would count each
+    data-parallel replica ``tensor_parallel_size`` times."""
+    from torchmetrics import Metric
+
+    for metric in module.modules():
+        if isinstance(metric, Metric) and metric.process_group is None:
+            metric.process_group = group
 
 
 ZeroStrategy = ZStackZero3Strategy

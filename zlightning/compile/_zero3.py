@@ -1,6 +1,6 @@
-"""Compiling a ZeRO-3 sharded model: one graph per ZeRO unit, gathers and releases at the unit boundaries.
+"""Compiling a ZeRO-3 sharded model: graph mode (collectives inside the graphs, ``_graph.py``) or per-unit mode.
 
-[Note: ZeRO-3 gather/release placement for compile]
+[Note: per-unit mode (the fallback)]
 The engine gathers a unit's parameters in the unit's forward pre-hook and releases them in its post-hook (and again
 around its backward). Tracing those hooks would put host-side collectives into Dynamo's path: a graph break at every
 unit, plus guards on tensors that change identity each step (recompiles). `compile_zero3` therefore compiles each
@@ -12,10 +12,14 @@ The engine also hangs an idempotent "ensure root/persistent parameters are gathe
 holds persistent (small, always-gathered) parameters -- e.g. the LayerNorms inside a block. Traced, it guards on the
 engine's pass counter and recompiles every step, so the compiled forward detaches those engine hooks while it runs
 and calls them once, eagerly, just before (same effect: the first call installs, later ones are no-ops).
+Per-unit mode is the default (it keeps the eager engine's semantics exactly; see ``CompileConfig.mode``) and what
+``CompileConfig(mode="auto")`` picks when graph mode cannot drive the engine (parameter or optimizer offload, a
+tensor-parallel group).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,23 +28,44 @@ import torch
 from torch import nn
 
 from zlightning.compile._backend import CompileStats, make_backend
+from zlightning.compile._budget import UnshardPlan, plan_unshard, profile_gathers
 from zlightning.compile._config import CompileConfig
+from zlightning.compile._graph import GraphStats, GroupSpec, ZeroGraphForward, group_specs, make_graph_backend
 
 __all__ = ["ZeroCompileHandle", "compile_zero3"]
 
 
 @dataclass
 class ZeroCompileHandle:
-    """The modules `compile_zero3` compiled and the backend's statistics (``stats.graphs`` counts recompiles)."""
+    """What `compile_zero3` compiled and the backend's statistics (``stats.graphs`` counts recompiles).
+
+    Per-unit mode fills ``modules``; graph mode fills ``graph``, ``graph_stats`` (gathers per partitioned graph, bytes
+    kept for the backward) and ``plan`` (the selective-unsharding decision, when a budget was given).
+    """
 
     modules: list[nn.Module] = field(default_factory=list)
     stats: CompileStats = field(default_factory=CompileStats)
+    mode: str = "unit"
+    graph: ZeroGraphForward | None = None
+    graph_stats: GraphStats | None = None
+    plan: UnshardPlan | None = None
+    specs: list[GroupSpec] = field(default_factory=list)
+    _state: Any = None
+
+    @property
+    def graphs(self) -> int:
+        """Dynamo graphs compiled so far, in either mode (first compiles + recompiles + graph-break fragments)."""
+        return self.stats.graphs
 
     def restore(self) -> None:
-        """Back to eager forwards."""
+        """Back to eager forwards (graph mode: the engine's own hooks gather again)."""
         for m in self.modules:
             m.__dict__.pop("forward", None)
         self.modules.clear()
+        if self.graph is not None:
+            self.graph.remove()
+            self.graph = None
+            self._state.resume_module_hooks()
 
 
 def compile_zero3(
@@ -48,9 +73,14 @@ def compile_zero3(
 ) -> ZeroCompileHandle:
     """Compiles every non-root unit of a ZeRO-3 engine with `backend_fn`; see [Note: ZeRO-3 gather/release ...].
 
+    ``config.mode == "graph"`` instead compiles the root module's whole forward with the ZeRO-3 collectives inside
+    the graphs (see [Note: ZeRO-3 collectives as graph ops] in ``_graph.py``); with ``config.unshard_budget`` this is
+    collective (every rank profiles its all-gathers, see [Note: memory budget] in ``_budget.py``). Call it between
+    steps.
+
     Args:
         state: the engine state (``zero3_shard(...)``), or a ``DeepSpeedZeroOptimizer_Stage3`` (its ``.state``).
-        config: backend knobs.
+        config: backend knobs and the mode.
         dynamic: passed to ``torch.compile`` (False: one graph per input shape).
 
     Returns:
@@ -58,14 +88,21 @@ def compile_zero3(
 
     Raises:
         TypeError: ``state`` is not a ZeRO-3 engine state.
+        RuntimeError: graph mode with parameter/optimizer offload, or called mid-step.
     """
     state = getattr(state, "state", state)  # a DeepSpeedZeroOptimizer_Stage3 carries its ZeroState as .state
     units = getattr(state, "units", None)
-    if not isinstance(units, list):
+    if not isinstance(units, list) or not hasattr(state, "engine_hook_ids"):
         raise TypeError(f"compile_zero3 expects a ZeroState (zero3_shard(...)), got {type(state).__name__}")
+    config = config or CompileConfig()
+    mode = config.mode
+    if mode == "auto":
+        mode = "unit" if state.offload is not None or getattr(state, "model_parallel", None) is not None else "graph"
+    if mode == "graph":
+        return _compile_graph(state, config, dynamic)
     handle = ZeroCompileHandle()
     backend = make_backend(config, handle.stats)
-    engine_hooks = {h.id for h in getattr(state, "_root_handles", [])}
+    engine_hooks = state.engine_hook_ids()
     unit_modules = [u.module for u in units]
     for unit in units:
         inner = [m for m in unit.module.modules() if m is not unit.module and any(m is u for u in unit_modules)]
@@ -74,6 +111,26 @@ def compile_zero3(
         compiled = torch.compile(unit.module.forward, backend=backend, dynamic=dynamic)
         unit.module.forward = _CompiledUnitForward(unit.module, compiled, engine_hooks)  # type: ignore[method-assign]
         handle.modules.append(unit.module)
+    return handle
+
+
+def _compile_graph(state: Any, config: CompileConfig, dynamic: bool | None) -> ZeroCompileHandle:
+    """Graph mode: see [Note: ZeRO-3 collectives as graph ops] in ``_graph.py``."""
+    if config.inner == "eager":
+        config = dataclasses.replace(config, inner="aot_eager")  # the recompute tagging needs AOT autograd
+    specs = group_specs(state)
+    plan = None
+    if config.unshard_budget is not None and "selective_unshard" in config.passes:
+        plan = plan_unshard(specs, profile_gathers(state, specs), config.unshard_budget)  # collective
+    keep = frozenset(plan.kept if plan is not None else ())
+    handle = ZeroCompileHandle(mode="graph", graph_stats=GraphStats(), plan=plan, specs=specs, _state=state)
+    state.suspend_module_hooks()  # raises (clearly) with offload or mid-step
+    backend = make_graph_backend(config, specs, keep, handle.graph_stats, handle.stats)  # type: ignore[arg-type]
+    try:
+        handle.graph = ZeroGraphForward(state, specs, backend, dynamic)
+    except BaseException:
+        state.resume_module_hooks()
+        raise
     return handle
 
 

@@ -20,6 +20,7 @@ from zlightning.inject._layers import (
     ShardMemo,
     probe_equal,
 )
+from zlightning.inject._mlp import FusedMLP, fused_mlp_for
 from zlightning.inject._policy import InjectError, InjectPolicy, LinearStyle
 
 __all__ = ["TPGroups", "apply_tensor_parallel", "build_tp_groups", "module_inject", "tp_full_state"]
@@ -73,7 +74,8 @@ def module_inject(model: nn.Module, policy: InjectPolicy = InjectPolicy(), *,
     The algorithm: (1) classify every ``nn.Linear`` (`classify_linears`; see [Note: how a Linear is classified]) and,
     for ``tp_size > 1``, validate divisibility and per-block data flow; (2) kernel injection: each attention module
     (a head-count attribute plus a fused or split Q/K/V and an output projection) is rebuilt as `FusedSelfAttention`
-    (``F.scaled_dot_product_attention``) and each hand-written Layer/RMS norm as `FusedNorm`, each only if it agrees
+    (``F.scaled_dot_product_attention``), each MLP (plain or gated) as `FusedMLP` and each hand-written Layer/RMS
+    norm as `FusedNorm`, each only if it agrees
     with the original on a probe input (causality is detected the same way); (3) tensor parallelism: Linears become
     `ColumnParallelLinear` / `RowParallelLinear` per style, embeddings are sliced on the hidden dim (a tied LM head
     keeps sharing the shard), and autograd Functions place the all-reduce/all-gather in forward and backward.
@@ -107,6 +109,8 @@ def module_inject(model: nn.Module, policy: InjectPolicy = InjectPolicy(), *,
         validate_tp(model, styles, tp)
     if policy.inject_kernels or tp > 1:
         _inject_attention(model, styles, policy, required=tp > 1)
+    if policy.inject_kernels and policy.fuse_mlp != "off":
+        _inject_mlps(model, policy)
     if policy.inject_kernels:
         _inject_norms(model, policy)
     if tp > 1 and tp_group is not None:
@@ -208,6 +212,22 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
             warnings.warn(f"module_inject: {name} kept as is (fused attention differs on the probe)", stacklevel=3)
             continue
         _set_submodule(model, name, replacement)
+
+
+def _inject_mlps(model: nn.Module, policy: InjectPolicy) -> None:
+    for name, module in list(model.named_modules()):
+        if module is model or isinstance(module, (FusedMLP, FusedSelfAttention)):
+            continue
+        weight = next((c.weight for c in module.children() if type(c) is nn.Linear), None)
+        if weight is None:
+            continue
+        fused = fused_mlp_for(module, lambda width: _probe_input(width, weight.dtype, weight.device), policy.probe_atol,
+                              recompute=policy.fuse_mlp == "recompute")
+        if fused is not None:
+            _set_submodule(model, name, fused)
+        elif any(h in type(module).__name__.lower() for h in ("mlp", "ffn", "feedforward")):
+            warnings.warn(f"module_inject: {name} ({type(module).__name__}) kept: no fused MLP reading matches it",
+                          stacklevel=3)
 
 
 def _inject_norms(model: nn.Module, policy: InjectPolicy) -> None:

@@ -8,7 +8,7 @@ see `LinearStyle.TIED_HEAD`) therefore end up holding the very same shard parame
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ class ColumnParallelLinear(nn.Module):
 
     weight: nn.Parameter  # [out_features / tp, in_features]
     bias: nn.Parameter | None  # [out_features / tp]
+    tp_split: ClassVar[tuple[str, ...]] = ("weight", "bias")  # parameters holding a different slice per TP rank
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, memo: ShardMemo, *, chunks: int = 1,
                  gather_output: bool = False) -> None:
@@ -86,6 +87,7 @@ class RowParallelLinear(nn.Module):
 
     weight: nn.Parameter  # [out_features, in_features / tp]
     bias: nn.Parameter | None  # [out_features], replicated
+    tp_split: ClassVar[tuple[str, ...]] = ("weight",)
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, memo: ShardMemo, *,
                  input_is_parallel: bool = True) -> None:
@@ -114,6 +116,7 @@ class HiddenParallelEmbedding(nn.Module):
     """An ``nn.Embedding`` sliced on the hidden dim; lookups are all-gathered back to full width."""
 
     weight: nn.Parameter  # [num_embeddings, embedding_dim / tp]
+    tp_split: ClassVar[tuple[str, ...]] = ("weight",)
 
     def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup, memo: ShardMemo) -> None:
         super().__init__()

@@ -54,6 +54,12 @@ class InjectPolicy:
     inject_kernels: bool = True
     """Swap attention for ``F.scaled_dot_product_attention`` and hand-written Layer/RMS norms for the fused ATen ops
     (each swap is verified on a probe input before it is made)."""
+    fuse_mlp: Literal["recompute", "save", "off"] = "recompute"
+    """With ``inject_kernels``: rebuild MLPs (``Linear -> act -> Linear`` and gated ``down(act(gate(x)) * up(x))``
+    modules, recognised by structure and verified on a probe) as `FusedMLP`, one autograd Function on fused ATen ops
+    (see [Note: what the fused MLP fuses]). ``"recompute"`` saves only the pre-activation for backward and recomputes
+    the activation (about half the MLP's activation memory, some extra elementwise work); ``"save"`` also keeps the
+    activation output; ``"off"`` leaves MLPs alone."""
     causal: bool | None = None
     """Causality of the replaced attention; None: detected by the probe (tries causal, then full attention)."""
     check_inputs: bool = True
@@ -75,5 +81,7 @@ class InjectPolicy:
                 raise ValueError(
                     f"InjectPolicy.plan[{pattern!r}] = {style!r} is not a style; use one of {sorted(valid)}"
                 )
+        if self.fuse_mlp not in ("recompute", "save", "off"):
+            raise ValueError(f"InjectPolicy.fuse_mlp must be 'recompute', 'save' or 'off', got {self.fuse_mlp!r}")
         if not self.probe_atol > 0:
             raise ValueError(f"InjectPolicy.probe_atol must be > 0, got {self.probe_atol!r}")

@@ -5,6 +5,15 @@ scaling, the memory report, and ``DeepSpeedZeroOptimizer_Stage3`` for use withou
 Every element of a full gradient lives in exactly one rank's piece (padding belongs to no piece), so the global L2
 norm is ``sqrt(all_reduce_sum(local sum of squares))``. Clipping then scales every local piece by the same factor,
 which is exactly what ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model.
+
+[Note: global norm with model parallelism]
+With tensor parallelism (``ZeroState.model_parallel``) the engine's group is only the data-parallel group of a
+DP x TP grid. A parameter is then either *split* across the model-parallel group (each TP rank holds a different
+slice, which ZeRO shards further over DP) or *replicated* on it (norms, row-parallel biases: identical values and
+gradients on every TP rank). Each rank sums ``|g|^p`` of its pieces into two terms ``[split, replicated]``; one
+all-reduce over the DP group and one over the TP group then give ``[S, tp * R]`` on every rank, and the norm is
+``(S + R)^(1/p)``: split slices are summed, replicated copies counted once. Both reductions give every member the
+same values, so the clip coefficient is identical on all ranks of the grid. The inf norm is a MAX of both terms.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +47,7 @@ __all__ = [
     "DynamicLossScaler",
     "LossScalerConfig",
     "MemoryReport",
+    "ModelParallelGrads",
     "attach_optimizer",
     "clip_grad_norm_",
     "global_grad_norm",
@@ -73,18 +83,64 @@ def _all_reduce(t: torch.Tensor, state: ZeroState, op: dist.ReduceOp.RedOpType =
     return t
 
 
-def global_grad_norm(state: ZeroState, pieces: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of the full gradient across all ranks' pieces (``inf`` norm supported). Collective."""
-    grads = _grads(pieces)
+@dataclass(frozen=True)
+class ModelParallelGrads:
+    """Which parameters a model-parallel group (tensor parallelism) splits beyond the engine's data-parallel group.
+
+    Set it as ``ZeroState.model_parallel``; `global_grad_norm`, `clip_grad_norm_` and the fp16 overflow check then
+    reduce over both groups. See [Note: global norm with model parallelism].
+
+    Raises:
+        ValueError: ``group`` is None.
+    """
+
+    group: dist.ProcessGroup
+    """The model-parallel group: the ranks holding different slices of one model replica."""
+    split: frozenset[str] = field(default_factory=frozenset)
+    """Qualified names (relative to the engine's root module) of the parameters split across ``group``; every other
+    parameter is replicated across it and counted once."""
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            raise ValueError("ModelParallelGrads.group must be a process group (the tensor-parallel group)")
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def is_split(self, state: ZeroState, piece: torch.Tensor) -> bool:
+        zp = state.zero_param_of(piece)
+        return zp is not None and not self.split.isdisjoint(zp.fqns)
+
+
+def _norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``max |g|`` (inf norm) or ``sum |g|^p`` over ``grads``, as a float32 scalar on ``device``."""
+    if not grads:
+        return torch.zeros((), device=device)
     if norm_type == math.inf:
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros(())
-        return _all_reduce(local.to(state.device).reshape(1), state, dist.ReduceOp.MAX)[0]
-    if grads:
-        norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
-        local = torch.stack(norms).pow(norm_type).sum()
-    else:
-        local = torch.zeros((), device=state.device)
-    return _all_reduce(local.to(state.device).reshape(1), state)[0].pow(1.0 / norm_type)
+        return torch.stack([g.detach().abs().max().float() for g in grads]).max().to(device)
+    norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+    return torch.stack(norms).pow(norm_type).sum().to(device)
+
+
+def global_grad_norm(state: ZeroState, pieces: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the full gradient across all ranks' pieces (``inf`` norm supported). Collective over the engine's
+    group and, with ``state.model_parallel``, its model-parallel group (see [Note: global norm with model
+    parallelism])."""
+    pieces = list(pieces)
+    mp = state.model_parallel
+    split = [mp is not None and mp.is_split(state, p) for p in pieces]
+    terms = torch.stack([
+        _norm_term(_grads(p for p, s in zip(pieces, split) if s), norm_type, state.device),
+        _norm_term(_grads(p for p, s in zip(pieces, split) if not s), norm_type, state.device),
+    ])
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    _all_reduce(terms, state, op)
+    if mp is not None and mp.size > 1:
+        dist.all_reduce(terms, op=op, group=mp.group)
+    if norm_type == math.inf:
+        return terms.max()
+    return (terms[0] + terms[1] / (mp.size if mp is not None else 1)).pow(1.0 / norm_type)
 
 
 def clip_grad_norm_(state: ZeroState, pieces: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -105,7 +161,10 @@ def unscale_and_check_(state: ZeroState, pieces: Iterable[torch.Tensor], inv_sca
     if grads:
         torch._foreach_mul_(grads, inv_scale)
         found += float(not all(torch.isfinite(g).all().item() for g in grads))
-    return bool(_all_reduce(found, state, dist.ReduceOp.MAX).item() > 0)
+    _all_reduce(found, state, dist.ReduceOp.MAX)
+    if state.model_parallel is not None:  # a TP peer's overflow must skip the step on every rank of the grid
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=state.model_parallel.group)
+    return bool(found.item() > 0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ import collections
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from zlightning.zero._offload import ZeroOffload
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import GroupState, ZeroParamGroup
 from zlightning.zero._unit import UnitPolicy, ZeroUnit, select_unit_modules
+
+if TYPE_CHECKING:
+    from zlightning.zero._optimizer import ModelParallelGrads
 
 __all__ = ["ParamInitFn", "ZeroState"]
 
@@ -111,8 +114,11 @@ class ZeroState:
         self.gradient_sync = True  # False: accumulate full gradients locally, reduce on the next synced backward
         self.reduce_scatters = 0  # issued so far (a statistic for tests and reports)
         self._root_handles: list[Any] = []
+        self._hooks_suspended = False  # see suspend_module_hooks
         self.optimizer_hooks: list[Any] = []  # step post-hooks of attached optimizers
         self.offload: ZeroOffload | None = None
+        # set by tensor parallelism (see ModelParallelGrads in _optimizer.py): gradient norms also reduce over it
+        self.model_parallel: ModelParallelGrads | None = None
         self._build(unit_policy)
         if config.offload_optimizer is not None or config.offload_params is not None:
             self.offload = ZeroOffload(self)  # see [Note: what is offloaded where] in _offload.py
@@ -155,6 +161,9 @@ class ZeroState:
             self._by_piece[id(zp.piece)] = zp
         self._used = torch.zeros(len(self.params), dtype=torch.float32)
         self.units = [u for u in self.units if u.groups or u.is_root]
+        self._register_module_hooks()
+
+    def _register_module_hooks(self) -> None:
         for unit in self.units:
             unit.register_hooks()
         self._root_handles = [
@@ -250,9 +259,55 @@ class ZeroState:
         self.groups.append(group)
         return group
 
+    # ================================================================ module hooks (public, for compilers)
+    def engine_hook_ids(self) -> set[int]:
+        """Ids (``handle.id``) of the forward pre/post hooks this engine registered on modules: the root's pass
+        hooks, the lazy "gather root/persistent parameters" pre-hooks and every unit's gather/release hooks. A
+        compiler that traces through modules uses this to tell the engine's hooks from the user's."""
+        return {h.id for h in self._root_handles} | {h.id for u in self.units for h in u._handles}
+
+    @property
+    def module_hooks_suspended(self) -> bool:
+        """True while `suspend_module_hooks` is in effect (a compiled graph gathers and releases instead)."""
+        return self._hooks_suspended
+
+    def suspend_module_hooks(self) -> None:
+        """Removes the engine's module hooks and makes passes no-ops: for a caller that gathers, releases and
+        reduce-scatters itself (``zlightning.compile`` graph mode). Every group must be sharded (between steps).
+
+        Raises:
+            RuntimeError: a group is gathered (called mid-step) or parameter/optimizer offload is on.
+        """
+        if self._hooks_suspended:
+            return
+        if self.offload is not None:
+            raise RuntimeError("suspend_module_hooks: not supported with parameter/optimizer offload (the engine "
+                               "must drive the swaps); compile in per-unit mode instead")
+        busy = [g for g in self.groups if g.status is not GroupState.SHARDED and not g.persistent]
+        if busy or self._pending:
+            raise RuntimeError("suspend_module_hooks: call it between steps (groups are gathered or reduce-scatters "
+                               "are in flight)")
+        self.release_all(keep_persistent=False)
+        for unit in self.units:
+            unit.remove_hooks()
+        for h in self._root_handles:
+            h.remove()
+        self._root_handles = []
+        self._pass_open = False
+        self._depth = 0
+        self._hooks_suspended = True
+
+    def resume_module_hooks(self) -> None:
+        """Undoes `suspend_module_hooks` (the engine gathers and releases around modules again)."""
+        if self._hooks_suspended:
+            self._hooks_suspended = False
+            self._register_module_hooks()
+
     # ================================================================ passes and forward hooks
     def begin_pass(self) -> None:
         """Starts a pass (nested calls only count depth): gathers and installs root and persistent groups."""
+        if self._hooks_suspended:
+            return
         self._depth += 1
         if self._depth > 1:
             return
@@ -260,6 +315,8 @@ class ZeroState:
         self._ensure_root()
 
     def end_pass(self) -> None:
+        if self._hooks_suspended:
+            return
         self._depth = max(self._depth - 1, 0)
         if self._depth > 0:
             return
