@@ -16,7 +16,16 @@ once, before the step. Validation, test and prediction use the inference schedul
 [Note: checkpoints here]
 ``trainer.save_checkpoint``/``ModelCheckpoint`` write a directory (``zlightning.pipe.save_pipeline_checkpoint``:
 per-layer files, per-rank optimizer files, Lightning's loop state as client state); ``ckpt_path=`` resumes from it and
-``consolidate_pipeline_checkpoint`` turns it into one plain state dict.
+``consolidate_pipeline_checkpoint`` turns it into one plain state dict. With ``tensor_parallel_size > 1`` each rank
+writes its slices; such a checkpoint resumes on the same split and TP size only (see [Note: checkpoints with tensor
+parallelism] in ``zlightning.pipe._checkpoint``), and consolidation raises ``NotImplementedError``.
+
+[Note: PP x TP in Lightning]
+``PipelineStrategy(tensor_parallel_size=t)`` sets ``PipelineConfig.tensor_parallel_size`` (see [Note: PP x TP] in
+``zlightning.pipe``). TP peers hold one model replica, so the sampler shards by the data-parallel rank only, and
+``reduce`` (``self.log(..., sync_dist=True)``) and the LightningModule's torchmetrics metrics sync over the
+data-parallel group of this (stage, TP index) (``data_parallel_group``): a world-wide sum would count each replica
+``pp * t`` times. Every rank logs the same batch loss, so a mean over that group is the global mean.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from typing_extensions import override
 from zlightning.pipe import PipeGrid, PipelineConfig, PipelineEngine, PipelineModule
 from zlightning.pipe._checkpoint import is_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.pipe._partition import layer_weights
+from zlightning.strategies.zero3 import _metrics_to_group
 from zlightning.zero import LossScalerConfig
 
 __all__ = ["PipelinePrecision", "PipelineStrategy"]
@@ -141,6 +151,8 @@ class PipelineStrategy(ParallelStrategy):
         partition: overrides the module's ``partition_method`` (``"parameters"``, ``"uniform"``, ``"type:REGEX"``).
         config: full engine config instead of ``micro_batches``/``schedule`` (virtual stages, ZeRO-1, loss scaler).
             ``Trainer(precision="16-mixed")`` adds the default ``LossScalerConfig()`` when ``config`` has none.
+        tensor_parallel_size: TP ranks per stage (PP x DP x TP grid; see [Note: PP x TP in Lightning]); also settable
+            as ``config.tensor_parallel_size``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
         process_group_backend, timeout, start_method: as Lightning's DDP strategy.
     """
@@ -162,6 +174,7 @@ class PipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        tensor_parallel_size: int = 1,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
@@ -169,6 +182,13 @@ class PipelineStrategy(ParallelStrategy):
         if config is not None and (micro_batches != 4 or schedule != "1f1b"):
             raise ValueError("PipelineStrategy: give either config=PipelineConfig(...) or micro_batches=/schedule=, not both")
         self.config = config if config is not None else PipelineConfig(micro_batches=micro_batches, schedule=schedule)
+        if tensor_parallel_size != 1:
+            if self.config.tensor_parallel_size not in (1, tensor_parallel_size):
+                raise ValueError(
+                    f"PipelineStrategy: tensor_parallel_size={tensor_parallel_size!r} disagrees with "
+                    f"config.tensor_parallel_size={self.config.tensor_parallel_size}; give it once"
+                )
+            self.config = dataclasses.replace(self.config, tensor_parallel_size=tensor_parallel_size)
         if partition is not None:
             _check_partition(partition)
         self.partition = partition
@@ -206,11 +226,23 @@ class PipelineStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     def grid(self) -> PipeGrid:
-        """The DP x PP grid of this run (pipeline ranks from ``num_stages``, the module, or all ranks)."""
+        """The PP x DP x TP grid of this run (pipeline ranks from ``num_stages``, the module, or all ranks / TP)."""
         world = self.num_nodes * self.num_processes
+        tp = self.config.tensor_parallel_size
         module = self._pipe_module() if self.lightning_module is not None else None
-        pp = self.num_stages or (module.num_stages if module is not None else None) or world
-        return PipeGrid.from_world(world, self.global_rank, pp)
+        pp = self.num_stages or (module.num_stages if module is not None else None) or max(1, world // tp)
+        return PipeGrid.from_world(world, self.global_rank, pp, tp)
+
+    @property
+    def data_parallel_group(self) -> torch.distributed.ProcessGroup | None:
+        """The data-parallel group of this rank's (stage, TP index) under ``tensor_parallel_size > 1`` (None
+        otherwise: the world). Pass it as ``process_group=`` to torchmetrics metrics created outside the
+        LightningModule's ``__init__``."""
+        if self.config.tensor_parallel_size == 1:
+            return None
+        if self.engine is None:
+            raise RuntimeError("zstack_pipeline: data_parallel_group is read before setup built the engine")
+        return self.engine.groups.data
 
     @property
     @override
@@ -283,6 +315,8 @@ class PipelineStrategy(ParallelStrategy):
             if getattr(self.precision_plugin, "precision", None) == "16-mixed" and config.loss_scaler is None:
                 config = dataclasses.replace(config, loss_scaler=LossScalerConfig())
             self.engine = PipelineEngine(pipe, None, config, num_stages=self.grid().pp, device=self.root_device)
+            if config.tensor_parallel_size > 1:
+                _metrics_to_group(self.lightning_module, self.engine.groups.data)
         pipe.runner = self.engine  # (again, after a teardown: fit then predict with one Trainer)
         self.engine.loss_scale_factor = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.engine.stash_gradients = True  # see [Note: gradients across Lightning's zero_grad] in zlightning.pipe
@@ -329,7 +363,18 @@ class PipelineStrategy(ParallelStrategy):
     # ---------------------------------------------------------------- collectives
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
+        """``self.log(sync_dist=True)``: over ``data_parallel_group`` under TP (the world otherwise)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is None and self.config.tensor_parallel_size > 1 and self.engine is not None:
+            group = self.engine.groups.data
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # every rank of the grid must agree (early stopping, checkpoint decisions): over the world, not the DP group
+        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -1,5 +1,6 @@
 """Pipeline parallelism (Lightning-free): ``PipelineModule`` + ``LayerSpec``/``TiedLayerSpec`` describe the model,
-``PipelineEngine`` runs it over a DP x PP grid with a simulated schedule (``train_batch``/``eval_batch``)."""
+``PipelineEngine`` runs it over a PP x DP (x TP: ``PipelineConfig(tensor_parallel_size=...)``) grid with a simulated
+schedule (``train_batch``/``eval_batch``)."""
 
 from zlightning.pipe._checkpoint import consolidate_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.pipe._engine import PipelineConfig, PipelineEngine

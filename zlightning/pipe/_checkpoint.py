@@ -10,6 +10,10 @@ Layout of a checkpoint directory::
                                      the model name of each of its parameters
     client_state.pt                  anything else (Lightning's loop state), from global rank 0
 
+With tensor parallelism (``grid.tp > 1``) layer and optimizer files carry the TP index: ``layer_{idx:03d}-tp{t:02d}-
+model_states.pt`` (the slices of TP rank ``t``) and ``optim_pp{stage:02d}_dp{dp:02d}_tp{t:02d}.pt``; see
+[Note: checkpoints with tensor parallelism].
+
 Like the ZeRO checkpoints (``zlightning.zero``), every rank writes only what it owns and no rank gathers the model.
 
 [Note: optimizer state on another grid]
@@ -21,6 +25,14 @@ the parameters it now holds (with ZeRO-1: only those it now owns) by name, and t
 group each came from; so ZeRO-1 state saved on DP=2 x PP=2 resumes on PP=4 or DP=1 x PP=2 exactly. This needs an
 optimizer whose state is per parameter (every ``torch.optim`` optimizer except LBFGS) and the same param-group
 layout on both sides. A tied parameter's state is the same on all its owning stages; any copy serves.
+
+[Note: checkpoints with tensor parallelism]
+Under TP each rank holds slices of its layers, written as they are (no gather) with the TP index in the file name;
+tied layers are replicated over TP and written once. Such a checkpoint reloads on the same pipeline split and TP size
+(the data-parallel size may change for the weights; the optimizer state needs the same DP size and ZeRO stage, since
+regridding optimizer state by parameter name cannot tell TP slices apart). Anything else -- another TP size or split,
+a TP checkpoint into a run without TP or the reverse, consolidation into one state dict -- raises
+``NotImplementedError`` rather than loading slices into the wrong places.
 """
 
 from __future__ import annotations
@@ -55,10 +67,36 @@ def _local_layers(engine: PipelineEngine) -> list[int]:
     return [i for s in module.local_stages for i in module.stage_layers(s) if str(i) in module._modules]
 
 
+def _layer_file(idx: int, tp: int, tp_rank: int) -> str:
+    return f"layer_{idx:03d}-model_states.pt" if tp == 1 else f"layer_{idx:03d}-tp{tp_rank:02d}-model_states.pt"
+
+
+def _optim_file(stage: int, dp_rank: int, tp: int, tp_rank: int) -> str:
+    tail = "" if tp == 1 else f"_tp{tp_rank:02d}"
+    return f"optim_pp{stage:02d}_dp{dp_rank:02d}{tail}.pt"
+
+
+def _check_tp(engine: PipelineEngine, path: Path, meta: dict[str, Any]) -> None:
+    """See [Note: checkpoints with tensor parallelism]."""
+    saved, tp = meta.get("tp", 1), engine.grid.tp
+    if saved == tp == 1:
+        return
+    if saved != tp or meta["pp"] != engine.grid.pp or meta["bounds"] != engine.module.bounds:
+        raise NotImplementedError(
+            f"{path} was saved with tensor_parallel_size={saved} on {meta['pp']} stages (split {meta['bounds']}); this "
+            f"run has tensor_parallel_size={tp} on {engine.grid.pp} stages (split {engine.module.bounds}). Checkpoints "
+            "with tensor parallelism reload only on the same pipeline split and TP size; resharding them is not "
+            "implemented"
+        )
+
+
 def save_pipeline_checkpoint(
     engine: PipelineEngine, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, client_state: dict[str, Any] | None = None
 ) -> None:
-    """Writes ``engine``'s model (and ``optimizer``, default ``engine.optimizer``) to directory ``path``. Collective."""
+    """Writes ``engine``'s model (and ``optimizer``, default ``engine.optimizer``) to directory ``path``. Collective.
+
+    Raises:
+    """
     path = Path(path)
     grid, module = engine.grid, engine.module
     if grid.rank == 0:
@@ -67,18 +105,18 @@ def save_pipeline_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     if grid.dp_rank == 0:
         for idx in _local_layers(engine):
-            torch.save(module.get_submodule(str(idx)).state_dict(), path / f"layer_{idx:03d}-model_states.pt")
+            torch.save(module.get_submodule(str(idx)).state_dict(), path / _layer_file(idx, grid.tp, grid.tp_rank))
         for key, src in engine.groups.tied_src.items():
-            if src == grid.rank:
+            if src == grid.rank and grid.tp_rank == 0:  # replicated over TP: written once
                 torch.save(module.tied_modules[key].state_dict(), path / f"tied_{key}-model_states.pt")
     optimizer = optimizer if optimizer is not None else engine.optimizer
     if optimizer is not None:
         names = _param_names(engine)
         optim = {"optimizer": optimizer.state_dict(), "param_names": [names.get(id(p)) for p in _optimizer_params(optimizer)]}
-        torch.save(optim, path / f"optim_pp{grid.stage:02d}_dp{grid.dp_rank:02d}.pt")
+        torch.save(optim, path / _optim_file(grid.stage, grid.dp_rank, grid.tp, grid.tp_rank))
     if grid.rank == 0:
         meta = {"format": _FORMAT, "bounds": module.bounds, "pp": grid.pp, "dp": grid.dp, "num_layers": len(module.specs),
-                "zero_stage": engine.config.zero_stage, "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
+                "zero_stage": engine.config.zero_stage, "tp": grid.tp, "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
         torch.save(meta, path / "meta.pt")
         torch.save(client_state or {}, path / "client_state.pt")
     _barrier()
@@ -156,22 +194,32 @@ def load_pipeline_checkpoint(
     Raises:
         ValueError: the checkpoint has another layer count, or it is an older checkpoint (no parameter names) whose
             optimizer state was saved on a different grid.
+        NotImplementedError: tensor parallelism on either side and another split or TP size, or optimizer state
+            saved under TP on another data-parallel size (see [Note: checkpoints with tensor parallelism]).
     """
     path = Path(path)
     meta = _read_meta(path)
     grid, module = engine.grid, engine.module
     if meta["num_layers"] != len(module.specs):
         raise ValueError(f"{path} holds {meta['num_layers']} layers but the PipelineModule has {len(module.specs)}")
+    _check_tp(engine, path, meta)
     for idx in _local_layers(engine):
-        module.get_submodule(str(idx)).load_state_dict(torch.load(path / f"layer_{idx:03d}-model_states.pt", map_location=engine.device, weights_only=True))
+        state = torch.load(path / _layer_file(idx, grid.tp, grid.tp_rank), map_location=engine.device, weights_only=True)
+        module.get_submodule(str(idx)).load_state_dict(state)
     for key in module.tied_modules:
         module.tied_modules[key].load_state_dict(torch.load(path / f"tied_{key}-model_states.pt", map_location=engine.device, weights_only=True))
     optimizer = optimizer if optimizer is not None else engine.optimizer
     if optimizer is not None and load_optimizer:
         same = meta["pp"] == grid.pp and meta["dp"] == grid.dp and meta["bounds"] == module.bounds
         if same and (grid.dp == 1 or meta.get("zero_stage", 0) == engine.config.zero_stage):
-            own = torch.load(path / f"optim_pp{grid.stage:02d}_dp{grid.dp_rank:02d}.pt", map_location=engine.device, weights_only=False)
-            optimizer.load_state_dict(_split_optim_file(own)[0])
+            own = _optim_file(grid.stage, grid.dp_rank, grid.tp, grid.tp_rank)
+            optimizer.load_state_dict(_split_optim_file(torch.load(path / own, map_location=engine.device, weights_only=False))[0])
+        elif grid.tp > 1:
+            raise NotImplementedError(
+                f"{path}: optimizer state saved under tensor parallelism on a {meta['dp']}-replica grid (ZeRO stage "
+                f"{meta.get('zero_stage', 0)}) cannot be regridded to {grid.dp} replicas (ZeRO stage "
+                f"{engine.config.zero_stage}); load with load_optimizer=False (weights only)"
+            )
         else:
             _load_regridded(engine, optimizer, path, meta)
     if load_optimizer and engine.scaler is not None and meta.get("loss_scaler") is not None:
@@ -183,9 +231,17 @@ def load_pipeline_checkpoint(
 def consolidate_pipeline_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """One plain state dict with the names of a one-stage ``PipelineModule`` (``"{idx}.{param}"`` and
     ``"tied_modules.{key}.{param}"``), loadable with ``PipelineModule(...).build().load_state_dict``. No process group
-    needed."""
+    needed.
+
+    Raises:
+        NotImplementedError: a checkpoint written with tensor parallelism."""
     path = Path(path)
     meta = _read_meta(path)
+    if meta.get("tp", 1) > 1:
+        raise NotImplementedError(
+            f"{path} holds tensor-parallel slices (tensor_parallel_size={meta['tp']}); consolidating them is not "
+            "implemented. Gather the weights in the running job with zlightning.inject.tp_full_state on each stage"
+        )
     out: dict[str, torch.Tensor] = {}
     for idx in range(meta["num_layers"]):
         f = path / f"layer_{idx:03d}-model_states.pt"

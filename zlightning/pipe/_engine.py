@@ -25,6 +25,20 @@ must skip the step on all of them or the stages' weights would drift apart. On o
 gradients, skips the optimizer step (``skipped_steps`` += 1) and the shared ``DynamicLossScaler`` (hysteresis,
 window, minimum: DeepSpeed's semantics, reused from ``zlightning.zero``) lowers the scale identically everywhere.
 The scaler's state is part of the pipeline checkpoint (``meta.pt``, written once since every rank holds the same).
+
+[Note: PP x TP]
+``PipelineConfig(tensor_parallel_size=t)`` adds an innermost TP axis to the grid (see [Note: rank layout] in
+``_topology.py``). After building its stage, each rank shards its layers over the stage's TP group with
+``zlightning.inject.module_inject`` (``_tensor.py``, [Note: what a stage shards]); tied layers stay replicated.
+Everything else keeps its meaning per TP index: rank ``(s, d, t)`` exchanges full activations with ``(s +- 1, d, t)``
+(each TP rank sends and receives its own copy), the data-parallel all-reduce and ZeRO-1 run over the replicas of
+``(s, t)``, tied gradients are summed over the owning stages of ``(d, t)``, and the loss is broadcast from the last
+stage of ``(d, t)``. Gradient clipping computes ``[S, R]`` per rank (squares of TP-split slices, squares of
+replicated parameters, tied duplicates skipped), sums it over the pipe group and then over the TP group, and takes
+``sqrt(S + R / t)``: slices summed across TP, replicated parameters counted once, the same coefficient everywhere.
+The fp16 overflow verdict is a MAX over all ranks, so one TP slice's overflow skips the step everywhere. The first
+batch checks that TP peers received identical micro-batches. Checkpoints hold each rank's slices and resume on the
+same split and TP size (``_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +56,8 @@ from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum,
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
 from zlightning.pipe._schedule import Schedule, build_schedule
+from zlightning.inject import InjectPolicy
+from zlightning.pipe._tensor import shard_stage
 from zlightning.pipe._topology import PipeGrid, PipeGroups
 from zlightning.zero import DynamicLossScaler, LossScalerConfig
 
@@ -72,6 +88,12 @@ class PipelineConfig:
     loss_scaler: LossScalerConfig | None = None
     """Dynamic loss scaling for fp16 (DeepSpeed's ``fp16`` block; see [Note: fp16 loss scaling]); None: off.
     ``Trainer(precision="16-mixed")`` sets the default ``LossScalerConfig()`` when this is None."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks per stage (PP x DP x TP grid, TP innermost): each stage's layers are sharded over its TP
+    group with ``zlightning.inject.module_inject`` after the stage is built; see [Note: PP x TP]."""
+    tp_policy: InjectPolicy | None = None
+    """``module_inject`` knobs under ``tensor_parallel_size > 1`` (plan, kernel injection); None: ``InjectPolicy()``.
+    Its ``tp_size`` is replaced by ``tensor_parallel_size``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -92,6 +114,13 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig: zero_stage must be 0 or 1, got {self.zero_stage!r}")
         if self.gradient_clipping < 0:
             raise ValueError(f"PipelineConfig: gradient_clipping must be >= 0, got {self.gradient_clipping}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"PipelineConfig: tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if self.tp_policy is not None and not isinstance(self.tp_policy, InjectPolicy):
+            raise ValueError(
+                f"PipelineConfig: tp_policy must be None or a zlightning.inject.InjectPolicy, got {type(self.tp_policy).__name__}"
+            )
         if self.loss_scaler is not None and not isinstance(self.loss_scaler, LossScalerConfig):
             raise ValueError(
                 f"PipelineConfig: loss_scaler must be None or a zlightning.zero.LossScalerConfig, got {type(self.loss_scaler).__name__}"
@@ -135,7 +164,7 @@ def _unpack(batch: Any) -> tuple[Any, Any]:
 
 
 class PipelineEngine:
-    """Trains and evaluates a ``PipelineModule`` over ``num_stages x (world // num_stages)`` ranks.
+    """Trains and evaluates a ``PipelineModule`` over ``num_stages x dp x tensor_parallel_size`` ranks.
 
     Builds only this rank's stage(s) of ``module``, creates the pipe / data / tie process groups, makes tied copies
     and data-parallel replicas identical (broadcast), and checks the schedule with the simulator before any run.
@@ -150,11 +179,12 @@ class PipelineEngine:
         device: where this rank's layers live; default ``cuda:LOCAL_RANK`` with CUDA, else CPU.
 
     Raises:
-        ValueError: the world size is not a multiple of ``num_stages``, the layers cannot be split, or the schedule
-            needs more micro-batches.
+        ValueError: the world size is not a multiple of ``num_stages * tensor_parallel_size``, the layers cannot be
+            split, the schedule needs more micro-batches, or an optimizer instance (not a factory) is given with TP.
+        zlightning.inject.InjectError: a layer cannot be tensor-parallel (indivisible sizes, a bad plan).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0915 (one linear setup sequence)
         self,
         module: PipelineModule,
         optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
@@ -169,8 +199,16 @@ class PipelineEngine:
             raise TypeError(f"PipelineEngine(config=...) expects a PipelineConfig, got {type(config).__name__}")
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        pp = num_stages or module.num_stages or world
-        self.grid = PipeGrid.from_world(world, rank, pp)
+        tp = config.tensor_parallel_size
+        pp = num_stages or module.num_stages or max(1, world // tp)
+        self.grid = PipeGrid.from_world(world, rank, pp, tp)
+        is_factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+        if tp > 1 and isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"PipelineEngine: tensor_parallel_size={tp} replaces the stage's parameters by their shards, so an "
+                "optimizer built beforehand would update stale tensors; pass a factory, e.g. "
+                "optimizer=lambda params: torch.optim.AdamW(params, lr=...)"
+            )
         self.config = config
         self.device = torch.device(device) if device is not None else _default_device()
         if self.device.type == "cuda":
@@ -182,14 +220,24 @@ class PipelineEngine:
         stages = self.train_schedule.stages_of(self.grid.stage)
         module.build(stages, pp * v, self.device)
         self.groups = PipeGroups.build(self.grid, module.tie_owners(module.bounds or [], pp))
+        self.tp_split: frozenset[int] = frozenset()
+        """Ids of this rank's parameters that hold a different slice on every TP rank (empty without TP)."""
+        if tp > 1:
+            if self.groups.tensor is None:
+                raise RuntimeError(f"tensor_parallel_size={tp} needs torch.distributed initialised")
+            groups, device = self.groups, self.device
+            self.tp_split = _all_or_none(
+                lambda: shard_stage(module, tp, config.tp_policy, groups.tensor, groups.pipe, device), device
+            )
+        self._inputs_checked = tp == 1
         self.p2p = P2P(self.device)
         self._sync_replicas()
-        is_factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
         self.optimizer = optimizer(module.parameters()) if is_factory else optimizer
         params = [p for p in module.parameters() if p.requires_grad]
         self.zero1: Zero1Sharding | None = None
         if config.zero_stage == 1:
-            self.zero1 = Zero1Sharding.plan(params, self.grid.dp, self.grid.dp_rank, self.grid.dp_ranks(self.grid.stage), self.groups.data)
+            g = self.grid
+            self.zero1 = Zero1Sharding.plan(params, g.dp, g.dp_rank, g.dp_ranks(g.stage, g.tp_rank), self.groups.data)
         self.loss_scale_factor = 1.0
         """Extra loss multiplier (Lightning sets ``1 / accumulate_grad_batches``)."""
         self.scaler: DynamicLossScaler | None = DynamicLossScaler(config.loss_scaler) if config.loss_scaler is not None else None
@@ -230,13 +278,36 @@ class PipelineEngine:
                 for p in self.module.tied_parameters(key):
                     dist.broadcast(p.data, src=self.groups.tied_src[key], group=group)
         if self.grid.dp > 1:
-            src = self.grid.global_rank(self.grid.stage, 0)
+            src = self.grid.global_rank(self.grid.stage, 0, self.grid.tp_rank)
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=src, group=self.groups.data)
 
+    @torch.no_grad()
+    def _check_tp_inputs(self, inputs: list[Any], labels: list[Any]) -> None:
+        """First batch under TP: every TP peer must get the same micro-batches (a sampler over the DP group); all
+        peers raise together otherwise."""
+        mine = torch.zeros(3, dtype=torch.float64)  # fixed size: order-sensitive sums of every tensor
+        for i, t in enumerate(flatten((inputs, labels))[0]):
+            flat = t.detach().reshape(-1).double().cpu()
+            weighted = (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()
+            count = torch.tensor(flat.numel(), dtype=torch.float64)
+            mine += torch.stack([(i + 1) * flat.sum(), (i + 1) * weighted, count])
+        mine = mine.to(self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.grid.tp)]
+        dist.all_gather(everyone, mine, group=self.groups.tensor)
+        self._inputs_checked = True
+        if any(not torch.equal(e, everyone[0]) for e in everyone):
+            raise ValueError(
+                "PipelineEngine: the tensor-parallel peers of a stage received different batches; every TP rank must "
+                "see the same data: shard by the data-parallel rank (num_replicas=engine.grid.dp, "
+                "rank=engine.grid.dp_rank), not by the global rank"
+            )
+
     # ------------------------------------------------------------------------------------------ schedule runs
     def _run(self, schedule: Schedule, inputs: list[Any], labels: list[Any], *, keep: bool, with_loss: bool) -> BatchRun:
-        peers = self.grid.pipe_ranks(self.grid.dp_rank)
+        peers = self.grid.pipe_ranks(self.grid.dp_rank, self.grid.tp_rank)
+        if not self._inputs_checked:
+            self._check_tp_inputs(inputs, labels)
         run = BatchRun(
             self.module, schedule, self.grid.stage, self.p2p, peers,
             [_to(x, self.device) for x in inputs], [_to(y, self.device) for y in labels],
@@ -255,7 +326,7 @@ class PipelineEngine:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if dist.is_initialized():
-            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank)
+            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank, self.grid.tp_rank)
             if deferred is not None and self.grid.dp == 1:
                 deferred.append(dist.broadcast(loss, src=src, group=self.groups.pipe, async_op=True))
                 return loss
@@ -364,7 +435,8 @@ class PipelineEngine:
         out = [_concat([run.outputs[i] for i in sorted(run.outputs)]) if self.is_last_stage else None]
         if dist.is_initialized() and self.grid.pp > 1:
             out = [_to(out[0], "cpu")]
-            dist.broadcast_object_list(out, src=self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank), group=self.groups.pipe)
+            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank, self.grid.tp_rank)
+            dist.broadcast_object_list(out, src=src, group=self.groups.pipe)
         return _to(out[0], self.device)
 
     # ------------------------------------------------------------------------------------------ gradients and step
@@ -381,9 +453,10 @@ class PipelineEngine:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scales all gradients by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` over the whole model (every stage,
-        tied weights once). Call after ``reduce_gradients``. Returns the norm."""
+        tied weights once; under TP the slices summed over the TP group and replicated parameters counted once).
+        Call after ``reduce_gradients``. Returns the norm."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = global_grad_norm(params, self._tied_duplicates(), self.groups.pipe)
+        norm = global_grad_norm(params, self._tied_duplicates(), self.groups.pipe, self.tp_split, self.groups.tensor, self.grid.tp)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
             p.grad.mul_(coef.to(p.grad.dtype))
@@ -439,6 +512,26 @@ class PipelineEngine:
         raise RuntimeError("PipelineEngine has no forward(); use train_batch(data_iter) or eval_batch(data_iter)")
 
     backward = forward
+
+
+def _all_or_none(make: Callable[[], frozenset[int]], device: torch.device) -> frozenset[int]:
+    """Runs ``make`` on every rank; if it raises on any rank, every rank raises (the failing ones their own error),
+    so a layer that cannot be sharded on one stage does not leave the other stages waiting for it."""
+    error: Exception | None = None
+    out: frozenset[int] = frozenset()
+    try:
+        out = make()
+    except Exception as err:  # noqa: BLE001 (re-raised below, after the others learn of it)
+        error = err
+    flag = torch.tensor([float(dist.get_rank()) if error is not None else -1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flag.item() >= 0:
+        raise RuntimeError(
+            f"tensor parallelism could not be applied on rank {int(flag.item())} (see its error); every rank stops"
+        )
+    return out
 
 
 def _to(obj: Any, device: torch.device | str) -> Any:

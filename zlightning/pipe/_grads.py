@@ -48,17 +48,29 @@ def allreduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, s
         _bucketed(grads, group, dist.ReduceOp.SUM, size)
 
 
-def global_grad_norm(params: list[nn.Parameter], skip: set[int], pipe_group: dist.ProcessGroup | None) -> torch.Tensor:
+def global_grad_norm(
+    params: list[nn.Parameter],
+    skip: set[int],
+    pipe_group: dist.ProcessGroup | None,
+    split: frozenset[int] = frozenset(),
+    tp_group: dist.ProcessGroup | None = None,
+    tp: int = 1,
+) -> torch.Tensor:
     """L2 norm of all gradients of the whole model: local squares (parameters whose id is in ``skip`` are duplicates
-    counted on another stage) summed over the pipeline group. Data-parallel replicas hold equal reduced gradients."""
+    counted on another stage) summed over the pipeline group. Data-parallel replicas hold equal reduced gradients.
+    Under TP (``tp_group``), parameters whose id is in ``split`` are slices summed over the TP group; the others are
+    replicated on it and counted once (see [Note: PP x TP] in ``_engine.py``)."""
     device = params[0].device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
+    sq = torch.zeros(2, dtype=torch.float64, device=device)  # [split slices, replicated]
     for p in params:
         if p.grad is not None and id(p) not in skip:
-            sq += p.grad.detach().double().pow(2).sum()
+            sq[0 if id(p) in split else 1] += p.grad.detach().double().pow(2).sum()
     if pipe_group is not None:
         dist.all_reduce(sq, group=pipe_group)
-    return sq.sqrt()
+    if tp_group is not None and tp > 1:
+        dist.all_reduce(sq, group=tp_group)
+        return (sq[0] + sq[1] / tp).sqrt()
+    return sq.sum().sqrt()
 
 
 @dataclass

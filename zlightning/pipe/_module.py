@@ -212,6 +212,22 @@ class PipelineModule(nn.Module):
             raise RuntimeError("PipelineModule is not built yet")
         return range(self.bounds[stage], self.bounds[stage + 1])
 
+    def local_layer(self, idx: int) -> nn.Module | None:
+        """Layer ``idx`` if this rank built it as its own module (not a tied layer, not a plain callable), else None."""
+        module = self._modules.get(str(idx))
+        return module if self._funcs.get(idx) is module else None
+
+    def replace_layer(self, idx: int, new: nn.Module) -> None:
+        """Swaps the module of local layer ``idx`` (tensor parallelism rebuilds some layers).
+
+        Raises:
+            KeyError: layer ``idx`` is not a module built on this rank.
+        """
+        if self.local_layer(idx) is None:
+            raise KeyError(f"layer {idx} is not a module built on this rank")
+        self.add_module(str(idx), new)
+        self._funcs[idx] = new
+
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         """The shared parameters of tie group ``key`` on this rank (``tied_weight_attr`` of its specs)."""
         spec = next(x for x in self.specs if isinstance(x, TiedLayerSpec) and x.key == key)
