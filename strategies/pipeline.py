@@ -60,7 +60,7 @@ from typing_extensions import override
 from zlightning.pipe import PipeGrid, PipelineConfig, PipelineEngine, PipelineModule
 from zlightning.pipe._checkpoint import is_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.pipe._partition import layer_weights
-from zlightning.strategies.zero3 import _metrics_to_group
+from zlightning.strategies._groups import metrics_to_group
 from zlightning.zero import LossScalerConfig
 
 __all__ = ["PipelinePrecision", "PipelineStrategy"]
@@ -316,7 +316,7 @@ class PipelineStrategy(ParallelStrategy):
                 config = dataclasses.replace(config, loss_scaler=LossScalerConfig())
             self.engine = PipelineEngine(pipe, None, config, num_stages=self.grid().pp, device=self.root_device)
             if config.tensor_parallel_size > 1:
-                _metrics_to_group(self.lightning_module, self.engine.groups.data)
+                metrics_to_group(self.lightning_module, self.engine.groups.data)
         pipe.runner = self.engine  # (again, after a teardown: fit then predict with one Trainer)
         self.engine.loss_scale_factor = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.engine.stash_gradients = True  # see [Note: gradients across Lightning's zero_grad] in zlightning.pipe

@@ -55,6 +55,7 @@ from zlightning.compile import CompileConfig
 from zlightning.compile._zero3 import ZeroCompileHandle, compile_zero3
 from zlightning.inject._api import TPGroups, apply_tensor_parallel
 from zlightning.inject._clip import tp_model_parallel_grads
+from zlightning.strategies._groups import metrics_to_group
 from zlightning.strategies._precision import ZeroPrecision
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
 from zlightning.zero._offload_optimizer import OffloadedAdam
@@ -300,7 +301,7 @@ class ZStackZero3Strategy(ParallelStrategy):
             if self.model is None:
                 raise AssertionError("setup() before connect()")
             self._tp = apply_tensor_parallel(self.model, self.tensor_parallel_size)
-            _metrics_to_group(self.model, self._tp.dp_group)
+            metrics_to_group(self.model, self._tp.dp_group)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)  # over full parameters: see [Note: optimizers before sharding]
@@ -641,17 +642,6 @@ class ZeroMemoryMonitor(Callback):
         self.last = strategy.memory_report()
         mb = {f"zero/{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
         pl_module.log_dict(mb, rank_zero_only=True)
-
-
-def _metrics_to_group(module: torch.nn.Module, group: torch.distributed.ProcessGroup) -> None:
-    """Points the torchmetrics metrics of ``module`` that sync over the world (``process_group=None``) at the
-    data-parallel group: TP peers update them with the same batches, so a world-wide sync would count each
-    data-parallel replica ``tensor_parallel_size`` times."""
-    from torchmetrics import Metric
-
-    for metric in module.modules():
-        if isinstance(metric, Metric) and metric.process_group is None:
-            metric.process_group = group
 
 
 ZeroStrategy = ZStackZero3Strategy
