@@ -44,22 +44,17 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from zlightning.pipe import PipeGrid, PipelineConfig, PipelineEngine, PipelineModule
 from zlightning.pipe._checkpoint import is_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.pipe._partition import layer_weights
+from zlightning.strategies._base import LaunchedParallelStrategy
 from zlightning.strategies._groups import metrics_to_group
 from zlightning.zero import LossScalerConfig
 
@@ -137,7 +132,7 @@ class PipelinePrecision(Precision):
             self._engine().clip_grad_norm_(float(clip_val))
 
 
-class PipelineStrategy(ParallelStrategy):
+class PipelineStrategy(LaunchedParallelStrategy):
     """Pipeline parallelism (x data parallelism when ``devices`` exceeds ``num_stages``) for a LightningModule that
     holds a ``zlightning.pipe.PipelineModule``.
 
@@ -176,7 +171,8 @@ class PipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         tensor_parallel_size: int = 1,
     ) -> None:
-        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+                         process_group_backend, timeout, start_method)
         if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
             raise ValueError(f"PipelineStrategy(num_stages=...) must be None or an int >= 1, got {num_stages!r}")
         if config is not None and (micro_batches != 4 or schedule != "1f1b"):
@@ -193,38 +189,9 @@ class PipelineStrategy(ParallelStrategy):
             _check_partition(partition)
         self.partition = partition
         self.num_stages = num_stages
-        self._num_nodes = 1
-        self._backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
         self.engine: PipelineEngine | None = None
 
     # ---------------------------------------------------------------- ranks and grid
-    @property
-    def is_distributed(self) -> bool:
-        """Tells Lightning to inject a DistributedSampler (over the data-parallel replicas) and to honour
-        ``self.log(sync_dist=True)``."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RuntimeError("zstack_pipeline: root_device is read before the Trainer set parallel_devices")
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
     def grid(self) -> PipeGrid:
         """The PP x DP x TP grid of this run (pipeline ranks from ``num_stages``, the module, or all ranks / TP)."""
         world = self.num_nodes * self.num_processes
@@ -261,28 +228,6 @@ class PipelineStrategy(ParallelStrategy):
             self._precision_plugin = plugin
             return
         self._precision_plugin = PipelinePrecision(getattr(plugin, "precision", "32-true"))
-
-    # ---------------------------------------------------------------- launch, process group
-    @override
-    def _configure_launcher(self) -> None:
-        if self.cluster_environment is None:
-            raise AssertionError("cluster_environment must be set before the launcher")
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        if self.cluster_environment is None:
-            raise AssertionError("cluster_environment must be set before setup_environment")
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        self._backend = self._backend or _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(self.cluster_environment, self._backend, timeout=self._timeout)
 
     # ---------------------------------------------------------------- setup
     def _pipe_module(self) -> PipelineModule:
@@ -369,25 +314,6 @@ class PipelineStrategy(ParallelStrategy):
         if group is None and self.config.tensor_parallel_size > 1 and self.engine is not None:
             group = self.engine.groups.data
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # every rank of the grid must agree (early stopping, checkpoint decisions): over the world, not the DP group
-        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
-        return bool(votes == self.world_size) if all else bool(votes)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not torch.distributed.is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
 
     # ---------------------------------------------------------------- checkpoints: see [Note: checkpoints here]
     @property

@@ -31,23 +31,12 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -55,6 +44,7 @@ from zlightning.compile import CompileConfig
 from zlightning.compile._zero3 import ZeroCompileHandle, compile_zero3
 from zlightning.inject._api import TPGroups, apply_tensor_parallel
 from zlightning.inject._clip import tp_model_parallel_grads
+from zlightning.strategies._base import LaunchedParallelStrategy
 from zlightning.strategies._groups import metrics_to_group
 from zlightning.strategies._precision import ZeroPrecision
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
@@ -85,7 +75,7 @@ __all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor", "ZeroStrategy"]
 log = logging.getLogger(__name__)
 
 
-class ZStackZero3Strategy(ParallelStrategy):
+class ZStackZero3Strategy(LaunchedParallelStrategy):
     """ZeRO stage 3 data parallelism: parameters, gradients and optimizer state sharded across ranks.
 
     Use ``Trainer(strategy="zstack_zero3")`` (after ``import zlightning``) or pass an instance to tune the engine::
@@ -162,14 +152,15 @@ class ZStackZero3Strategy(ParallelStrategy):
             )
         if not isinstance(zero, ZeroConfig):
             raise TypeError(f"ZStackZero3Strategy(zero=...) expects a ZeroConfig, got {type(zero).__name__}")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"ZStackZero3Strategy(start_method=...) must be popen/spawn/fork/forkserver, got {start_method!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
         )
         if not isinstance(checkpoint, CheckpointPolicy):
             raise TypeError(f"ZStackZero3Strategy(checkpoint=...) expects a CheckpointPolicy, got {type(checkpoint).__name__}")
@@ -187,10 +178,6 @@ class ZStackZero3Strategy(ParallelStrategy):
             )
         self.zero = zero
         self.checkpoint = checkpoint
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
         self._engine: ZeroState | None = None
         self._attached: list[torch.optim.Optimizer] = []
         self._loaded_sharded = False
@@ -201,31 +188,7 @@ class ZStackZero3Strategy(ParallelStrategy):
         self._tp: TPGroups | None = None
         self._compiled: ZeroCompileHandle | None = None
 
-    # ---------------------------------------------------------------- identity and ranks
-    @property
-    def is_distributed(self) -> bool:
-        """Tells Lightning to inject a DistributedSampler and honour ``self.log(sync_dist=True)``."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RuntimeError("zstack_zero3: root_device is read before the Trainer set parallel_devices")
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
+    # ---------------------------------------------------------------- ranks (launch and ranks: LaunchedParallelStrategy)
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -259,36 +222,6 @@ class ZStackZero3Strategy(ParallelStrategy):
                 "Trainer(precision='32-true'|'bf16-mixed'|'bf16-true'|'16-mixed'|'16-true') instead"
             )
         self._precision_plugin = ZeroPrecision(getattr(plugin, "precision", "32-true"))
-
-    # ---------------------------------------------------------------- launch and process group
-    @override
-    def _configure_launcher(self) -> None:
-        if self.cluster_environment is None:
-            raise AssertionError("cluster_environment must be set before the launcher")
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        if self.cluster_environment is None:
-            raise AssertionError("cluster_environment must be set before setup_environment")
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
 
     # ---------------------------------------------------------------- setup and teardown
     @override
@@ -487,28 +420,6 @@ class ZStackZero3Strategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group,
                                           reduce_op=reduce_op)
         return tensor
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # every rank of the grid must agree (early stopping, checkpoint decisions): reduce over the world
-        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
-        return bool(votes == self.world_size) if all else bool(votes)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
-                torch.distributed.barrier(device_ids=[self.root_device.index])
-            else:
-                torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
 
     # ---------------------------------------------------------------- checkpoints: see [Note: checkpoints here]
     @property

@@ -1,0 +1,153 @@
+"""What the zlightning strategies share with each other: launching, ranks and the world-wide collectives Lightning
+calls. Each strategy adds its engine, checkpoints and data-parallel group on top."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+import lightning.pytorch as pl
+
+__all__ = ["LaunchedParallelStrategy"]
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class LaunchedParallelStrategy(ParallelStrategy):
+    """A multi-process strategy launched like Lightning's DDP (``popen`` re-runs the script per rank; ``spawn`` /
+    ``fork`` / ``forkserver`` start processes from the main one), with one process group over all ranks.
+
+    Args:
+        process_group_backend: ``"gloo"``/``"nccl"``; default: gloo on CPU, nccl on CUDA.
+        timeout, start_method: as Lightning's DDP strategy.
+
+    Raises:
+        ValueError: an unknown ``start_method``.
+    """
+
+    strategy_name = "zstack"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"{type(self).__name__}(start_method=...) must be popen/spawn/fork/forkserver, got {start_method!r}"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+
+    # ---------------------------------------------------------------- identity and ranks
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to inject a DistributedSampler and honour ``self.log(sync_dist=True)``."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(f"{self.strategy_name}: root_device is read before the Trainer set parallel_devices")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    # ---------------------------------------------------------------- launch and process group
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment is None:
+            raise AssertionError("cluster_environment must be set before the launcher")
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        if self.cluster_environment is None:
+            raise AssertionError("cluster_environment must be set before setup_environment")
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ---------------------------------------------------------------- world-wide collectives used by Lightning
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # every rank of the grid must agree (early stopping, checkpoint decisions): over the world, also when
+        # `reduce` (sync_dist) uses a data-parallel group only
+        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
