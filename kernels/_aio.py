@@ -316,7 +316,7 @@ class DeepSpeedIOEngine:
         buf = eng.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.float32))  # aligned (and pinned)
         eng.async_pwrite(buf, "/nvme/swap/p0.bin", 0)   # returns at once
         ...                                               # compute overlaps the write
-        assert eng.wait() == 1                            # blocks; raises AIOError on failure
+        done = eng.wait()                                 # blocks (1 request done); raises AIOError on failure
         eng.sync_pread(buf, "/nvme/swap/p0.bin", 0)
 
     The buffer must stay alive and unmodified (for writes) or untouched (for reads) until `wait` returns.

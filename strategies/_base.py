@@ -45,6 +45,8 @@ class LaunchedParallelStrategy(ParallelStrategy):
     """
 
     strategy_name = "zstack"
+    precision_type: type[Precision] = Precision
+    """The strategy's own precision plugin: Lightning's plugin from ``Trainer(precision=...)`` is converted to it."""
 
     def __init__(
         self,
@@ -97,6 +99,22 @@ class LaunchedParallelStrategy(ParallelStrategy):
     @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    # ---------------------------------------------------------------- precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else self.precision_type()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is None or isinstance(plugin, self.precision_type):
+            self._precision_plugin = plugin
+            return
+        self._check_foreign_precision(plugin)
+        self._precision_plugin = self.precision_type(getattr(plugin, "precision", "32-true"))  # type: ignore[call-arg]
+
+    def _check_foreign_precision(self, plugin: Precision) -> None:
+        """Raises for a Lightning precision plugin this strategy cannot take over (default: any is converted)."""
 
     # ---------------------------------------------------------------- launch and process group
     @override

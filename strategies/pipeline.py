@@ -217,17 +217,8 @@ class PipelineStrategy(LaunchedParallelStrategy):
         grid = self.grid()  # every stage of a replica reads the same samples
         return {"num_replicas": grid.dp, "rank": grid.dp_rank}
 
-    # ---------------------------------------------------------------- precision
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else PipelinePrecision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is None or isinstance(plugin, PipelinePrecision):
-            self._precision_plugin = plugin
-            return
-        self._precision_plugin = PipelinePrecision(getattr(plugin, "precision", "32-true"))
+    # ---------------------------------------------------------------- precision (the property: LaunchedParallelStrategy)
+    precision_type = PipelinePrecision
 
     # ---------------------------------------------------------------- setup
     def _pipe_module(self) -> PipelineModule:

@@ -206,22 +206,16 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         """The ZeRO-3 engine state while the model is sharded (between setup and teardown)."""
         return self._engine
 
-    # ---------------------------------------------------------------- precision
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+    # ---------------------------------------------------------------- precision (the property: LaunchedParallelStrategy)
+    precision_type = ZeroPrecision
 
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is None or isinstance(plugin, ZeroPrecision):
-            self._precision_plugin = plugin
-            return
+    @override
+    def _check_foreign_precision(self, plugin: Precision) -> None:
         if type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision"):
             raise TypeError(
                 f"zstack_zero3 manages precision itself and cannot use {type(plugin).__name__}; pass "
                 "Trainer(precision='32-true'|'bf16-mixed'|'bf16-true'|'16-mixed'|'16-true') instead"
             )
-        self._precision_plugin = ZeroPrecision(getattr(plugin, "precision", "32-true"))
 
     # ---------------------------------------------------------------- setup and teardown
     @override
