@@ -72,6 +72,45 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
 
 
+_FAILURE_GRACE_S = 15.0
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
+
+
+def _collect_stragglers(results: Any, procs: list[Any], outcomes: dict[int, tuple[bool, Any]], world_size: int,
+                        grace: float) -> None:
+    """After one rank failed, waits up to ``grace`` seconds for the other ranks' outcomes.
+
+    [Note: which rank's error to report]
+    When one rank raises, Lightning (or ``destroy_process_group``) tears its process group down, and its peers fail at
+    once with gloo's "Connection closed by peer". That secondary error often reaches the parent first, while the rank
+    that really failed is still formatting its traceback; stopping at the first message would kill it and lose the
+    cause. So the parent keeps reading for a short grace period and reports a primary error first.
+    """
+    end = time.monotonic() + grace
+    while len(outcomes) < world_size and time.monotonic() < end:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(not p.is_alive() for r, p in enumerate(procs) if r not in outcomes):
+                time.sleep(0.2)  # a rank that just exited may still be flushing its result
+                if results.empty():
+                    return
+            continue
+        try:
+            outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
+        except Exception:  # noqa: BLE001 - a result that cannot be unpickled must not hide the failure
+            outcomes[rank] = (False, f"<result of rank {rank} could not be unpickled>")
+
+
+def _primary_failure(outcomes: dict[int, tuple[bool, Any]]) -> str | None:
+    """The first rank's error that is not a peer's disconnect (see [Note: which rank's error to report])."""
+    failed = sorted((r, v) for r, (ok, v) in outcomes.items() if not ok)
+    primary = [(r, v) for r, v in failed if not any(m in v for m in _SECONDARY)]
+    for r, v in primary or failed:
+        return f"rank {r} raised:\n{v}"
+    return None
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -143,6 +182,8 @@ def run_distributed(
             outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
             if not ok:
                 failure = f"rank {rank} raised:\n{payload}"
+                _collect_stragglers(results, procs, outcomes, world_size, _FAILURE_GRACE_S)
+                failure = _primary_failure(outcomes) or failure
                 break
     finally:
         if failure is not None:
@@ -155,6 +196,10 @@ def run_distributed(
                 p.kill()
                 p.join()
     if failure is not None:
-        others = "".join(f"\n--- rank {r} also raised:\n{v}" for r, (ok, v) in outcomes.items() if not ok and v not in failure)
+        others = "".join(f"\n--- rank {r} also raised:\n{v}" for r, (ok, v) in sorted(outcomes.items())
+                         if not ok and v not in failure)
+        silent = sorted(set(range(world_size)) - set(outcomes))
+        if silent and not failure.startswith(("timed out", "ranks")):
+            others += f"\n--- ranks {silent} gave no result within {_FAILURE_GRACE_S:.0f}s of the failure (killed)"
         raise DistributedTestError(f"distributed test failed: {failure}{others}")
     return [outcomes[r][1] for r in range(world_size)]
