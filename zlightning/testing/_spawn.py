@@ -186,6 +186,7 @@ def run_distributed(
                 failure = _primary_failure(outcomes) or failure
                 break
     finally:
+        exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
         if failure is not None:
             for p in procs:
                 if p.is_alive():
@@ -200,6 +201,9 @@ def run_distributed(
                          if not ok and v not in failure)
         silent = sorted(set(range(world_size)) - set(outcomes))
         if silent and not failure.startswith(("timed out", "ranks")):
-            others += f"\n--- ranks {silent} gave no result within {_FAILURE_GRACE_S:.0f}s of the failure (killed)"
+            # Exit codes as read before the kill: a rank that had already died shows its own (-11: SIGSEGV).
+            codes = {r: exit_codes.get(r) for r in silent}
+            others += (f"\n--- ranks {silent} gave no result within {_FAILURE_GRACE_S:.0f}s of the failure "
+                       f"(exit codes before the kill: {codes}; None = still running, then killed)")
         raise DistributedTestError(f"distributed test failed: {failure}{others}")
     return [outcomes[r][1] for r in range(world_size)]
