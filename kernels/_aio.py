@@ -410,7 +410,10 @@ class DeepSpeedIOEngine:
         errors = [e for req in reqs for e in req.errors]
         for req in reqs:
             if not req.errors and req._finalize is not None:
-                req._finalize()
+                try:
+                    req._finalize()
+                except AIOError as err:  # a failed validation; the other requests still finish
+                    errors.append(err)
         if errors:
             first = errors[0]
             if len(errors) > 1:
@@ -425,7 +428,7 @@ class DeepSpeedIOEngine:
         Raises:
             AIOError: open or I/O failure, naming file and offset.
         """
-        return self._sync("read", buffer, filename, file_offset)
+        return self._general("read", buffer, filename, False, False, file_offset)
 
     def sync_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
         """Writes like `async_pwrite` and waits for this request only. Returns 1 (requests completed).
@@ -433,7 +436,46 @@ class DeepSpeedIOEngine:
         Raises:
             AIOError: open or I/O failure (ENOSPC, EIO), naming file and offset.
         """
-        return self._sync("write", buffer, filename, file_offset)
+        return self._general("write", buffer, filename, False, False, file_offset)
+
+    # ---- DeepSpeed's general forms ---------------------------------------------------------------------------
+    def pread(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
+              async_op: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's ``pread(buffer, filename, validate, async, file_offset)``.
+
+        ``async_op=True`` works as `async_pread` and returns 0 (finish with `wait`); False as `sync_pread` and returns
+        1. ``validate=True`` re-reads the range through the page cache once the read completed and compares it with
+        the buffer (a debugging aid: it doubles the I/O).
+
+        Raises:
+            AIOError: open or I/O failure, or (``validate``) a byte differing from the file, naming file and offset.
+        """
+        return self._general("read", buffer, filename, validate, async_op, file_offset)
+
+    def pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
+               async_op: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's ``pwrite(buffer, filename, validate, async, file_offset)``; see `pread` for the arguments."""
+        return self._general("write", buffer, filename, validate, async_op, file_offset)
+
+    def read(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
+             file_offset: int = 0) -> int:
+        """DeepSpeed's synchronous ``read(buffer, filename, validate)``: `pread` without ``async_op``. Returns 1."""
+        return self._general("read", buffer, filename, validate, False, file_offset)
+
+    def write(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
+              file_offset: int = 0) -> int:
+        """DeepSpeed's synchronous ``write(buffer, filename, validate)``: `pwrite` without ``async_op``. Returns 1."""
+        return self._general("write", buffer, filename, validate, False, file_offset)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is page-locked by CUDA or came from this engine's `new_cpu_locked_tensor`."""
+        return tensor.device.type == "cpu" and (tensor.data_ptr() in self._locked or
+                                                (torch.cuda.is_available() and tensor.is_pinned()))
+
+    @staticmethod
+    def get_alignment() -> int:
+        """Bytes of alignment (address, file offset, length) a block needs to go through O_DIRECT."""
+        return ALIGNMENT
 
     def pending(self) -> int:
         """Requests submitted by ``async_*`` and not yet collected by `wait`."""
@@ -475,8 +517,11 @@ class DeepSpeedIOEngine:
                 f"intra_op_parallelism={c.intra_op_parallelism}, o_direct={c.o_direct}, backend={self.backend_name})")
 
     # ---- internals --------------------------------------------------------------------------------------------
-    def _sync(self, op: Op, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int) -> int:
-        req = self._submit(op, buffer, filename, file_offset, pending=False)
+    def _general(self, op: Op, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool, async_op: bool,
+                 file_offset: int) -> int:
+        req = self._submit(op, buffer, filename, file_offset, pending=async_op, validate=validate)
+        if async_op:
+            return 0
         req._wait()
         if req.errors:
             raise req.errors[0]
@@ -485,7 +530,7 @@ class DeepSpeedIOEngine:
         return 1
 
     def _submit(self, op: Op, buffer: torch.Tensor, filename: str | os.PathLike, offset: int,
-                *, pending: bool) -> IORequest:
+                *, pending: bool, validate: bool = False) -> IORequest:
         if self._closer.alive is False:
             raise RuntimeError("DeepSpeedIOEngine: the engine is closed; create a new one.")
         path = os.fspath(filename)
@@ -495,6 +540,15 @@ class DeepSpeedIOEngine:
         req = IORequest(op, path, offset, host.numel() * host.element_size())
         if host is not buffer:  # a device tensor: staged through host memory
             req._finalize = (lambda: buffer.copy_(host)) if op == "read" else None
+        if validate:
+            staged = req._finalize
+
+            def check() -> None:
+                _validate(req, host)
+                if staged is not None:
+                    staged()
+
+            req._finalize = check
         self._open_and_plan(req, host)
         if pending:
             with self._lock:
@@ -539,6 +593,27 @@ class DeepSpeedIOEngine:
             return
         req._remaining = len(calls)
         self._backend.submit(req, calls)
+
+
+def _validate(req: IORequest, host: torch.Tensor, chunk: int = 1 << 24) -> None:
+    """Compares ``host`` with the file range of a completed request, read again through the page cache."""
+    data = host.reshape(-1).view(torch.uint8)
+    fd = os.open(req.filename, os.O_RDONLY)
+    try:
+        for start in range(0, req.nbytes, chunk):
+            want = min(chunk, req.nbytes - start)
+            got = os.pread(fd, want, req.offset + start)
+            mine = data[start:start + want]
+            if len(got) != want:
+                raise req._error(_errno.EIO, f"validation: file ends {len(got)} bytes into a {want}-byte range",
+                                 req.offset + start)
+            theirs = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+            if not torch.equal(mine, theirs):
+                first = int((mine != theirs).nonzero()[0])
+                raise req._error(_errno.EIO, f"validation: buffer and file differ at byte {start + first} of the "
+                                 "request", req.offset + start + first)
+    finally:
+        os.close(fd)
 
 
 def _plan_blocks(address: int, nbytes: int, offset: int, block_size: int) -> list[tuple[bool, int, int, int]]:

@@ -224,3 +224,38 @@ def test_bad_arguments_have_clear_errors(tmp_path):
     eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         eng.async_pwrite(torch.empty(4), tmp_path / "x", 0)
+
+
+def test_deepspeed_general_forms_read_write_and_validate(tmp_path, backend):
+    eng = DeepSpeedIOEngine(block_size=4096, queue_depth=4, backend=backend)
+    path = tmp_path / "g.bin"
+    src = torch.arange(3000, dtype=torch.float32)  # 12000 B: aligned body + buffered tail
+    assert eng.pwrite(src, path, True, False, 4096) == 1  # DeepSpeed's positional (validate, async, file_offset)
+    assert eng.write(src, tmp_path / "w.bin", validate=True) == 1
+    assert (tmp_path / "w.bin").read_bytes() == src.numpy().tobytes()
+    out = torch.empty_like(src)
+    assert eng.pread(out, path, validate=True, async_op=True, file_offset=4096) == 0 and eng.pending() == 1
+    assert eng.wait() == 1 and torch.equal(out, src)
+    again = torch.empty_like(src)
+    assert eng.read(again, tmp_path / "w.bin", True) == 1 and torch.equal(again, src)
+    assert eng.get_alignment() == 4096
+    locked = eng.new_cpu_locked_tensor(16, src)
+    assert eng.is_pinned(locked) and not eng.is_pinned(torch.empty(16))
+
+
+def test_validation_names_the_first_differing_byte(tmp_path):
+    # The python backend completes blocks without wait(), so the file can be changed between completion and
+    # validation: what a concurrent writer or a lying device would do.
+    eng = DeepSpeedIOEngine(block_size=4096, backend="python")
+    path = tmp_path / "v.bin"
+    src = torch.zeros(8192, dtype=torch.uint8)
+    assert eng.pwrite(src, path, validate=True, async_op=True) == 0
+    (req,) = eng._pending
+    req._event.wait(30)
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\x01")
+    with pytest.raises(AIOError, match=r"validation: buffer and file differ at byte 5000") as info:
+        eng.wait()
+    assert info.value.errno == errno.EIO and info.value.offset == 5000 and info.value.filename == str(path)
+    assert eng.pending() == 0
