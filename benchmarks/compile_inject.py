@@ -1,18 +1,23 @@
 """Issue 7 benchmark: eager vs compiled ZeRO-3 (per-unit mode, graph mode, graph mode + unshard budget) vs eager and
 compiled DDP, a communication-free compute baseline, and TP=2 vs DP=2, on the benchmark GPT.
 
-Run: ``python benchmarks/compile_inject.py [--quick]``. Every variant runs on 2 gloo ranks (1 thread each) and trains
-`examples.gpt_model.GPT` on the same tokens; the step time is the median wall time of the timed steps after warm-up
+Run: ``python benchmarks/compile_inject.py [--model bench|small] [--quick]``. Every variant runs on 2 gloo ranks
+(1 thread each) and trains `examples.gpt_model.GPT` on the same tokens; the step time is the median wall time of the timed steps after warm-up
 (warm-up covers the torch.compile work; all variants are stepped round-robin in the same two processes). Graph breaks
 and compiled graphs (after warm-up and at the end: a difference is a recompile) are counted per variant, and every
 variant's collectives are also timed alone (the compute/communication breakdown). Writes
-``benchmarks/results/compile_inject.{json,md}``.
+``benchmarks/results/compile_inject.{json,md}`` (``--model small``: ``compile_inject_small.*``).
+
+``--model bench`` (the default) is the benchmark GPT of ``benchmarks/zero3.py`` (``_bench_common.BenchConfig``: d512
+x 6 blocks, seq 256, 8 samples per rank); ``--model small`` the earlier d256 x 4, seq 128, 4 samples per rank, where
+each collective's fixed gloo latency (~2 ms) is a large share of a 0.2 s step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -186,19 +191,35 @@ def _worker(rank: int, world: int, cfg: GPTConfig, batch: int, warmup: int, time
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
+    parser.add_argument("--model", choices=("bench", "small"), default="bench",
+                        help="bench: the benchmark GPT of benchmarks/zero3.py (BenchConfig: d512 x 6, seq 256, 8 "
+                             "samples/rank); small: d256 x 4, seq 128, 4 samples/rank (latency-bound on gloo)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and fewer steps (smoke run)")
+    parser.add_argument("--timed", type=int, default=None, help="timed steps (default 12; 8 for --model bench)")
     args = parser.parse_args()
-    cfg = GPTConfig(vocab_size=256, seq_len=64 if args.quick else 128, d_model=128 if args.quick else 256,
-                    n_layer=2 if args.quick else 4, n_head=4)
-    batch, warmup, timed = 4, 3, 4 if args.quick else 12
-    results: dict[str, Any] = {"config": cfg.__dict__, "per_rank_batch": batch, "warmup": warmup, "timed": timed,
-                               "world": 2, "device": "cpu (gloo, 1 thread per rank)", "variants": {}}
+    if args.quick:
+        cfg, batch, timed = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layer=2, n_head=4), 4, 4
+    elif args.model == "small":
+        cfg, batch, timed = GPTConfig(vocab_size=256, seq_len=128, d_model=256, n_layer=4, n_head=4), 4, 12
+    else:
+        from _bench_common import BenchConfig  # the script's folder is on sys.path, as for the other benchmarks
+
+        b = BenchConfig()
+        cfg = GPTConfig(vocab_size=b.vocab_size, seq_len=b.seq_len, d_model=b.d_model, n_layer=b.n_layer,
+                        n_head=b.n_head)
+        batch, timed = b.micro_batch, 8
+    warmup, timed = 3, args.timed or timed
+    results: dict[str, Any] = {"model": "quick" if args.quick else args.model, "config": cfg.__dict__,
+                               "per_rank_batch": batch, "warmup": warmup, "timed": timed,
+                               "world": 2, "device": "cpu (gloo, 1 thread per rank)", "variants": {},
+                               "load_avg_start": os.getloadavg()}
     t0 = time.time()
     variants = run_distributed(_worker, 2, cfg, batch, warmup, timed, timeout=1800)[0]
     results["comm_breakdown_s"] = variants.pop("_comm")
     results["variants"] = variants
     results["unshard_budget"] = BUDGET
     results["wall_s"] = round(time.time() - t0, 1)
+    results["load_avg_end"] = os.getloadavg()
     r = results["variants"]
     ddp_c = r["ddp_compiled"]["step_s"]
     results["ratios"] = {
@@ -225,7 +246,8 @@ def main() -> None:
         "floor_zero3_vs_ddp_compiled": (compute + c["zero3_comm_s"]) / (compute + c["ddp_comm_s"]),
     }
     out_dir = ROOT / "benchmarks" / "results"
-    (out_dir / "compile_inject.json").write_text(json.dumps(results, indent=2))
+    stem = {"bench": "compile_inject", "small": "compile_inject_small", "quick": "compile_inject_quick"}[results["model"]]
+    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     lines = ["# compile + inject benchmark (issue 7)", "",
              f"GPT {cfg.d_model}d x {cfg.n_layer} layers, seq {cfg.seq_len}, {batch} samples/rank/step (TP: "
              f"{2 * batch} on the one replica), 2 gloo ranks on CPU, median of {timed} steps after {warmup} "
@@ -237,6 +259,8 @@ def main() -> None:
              "stays gathered from its forward to its backward: no backward re-gathers, sharded optimizer state and "
              "gradients). `compute_only_eager`/`compute_only_compiled` are the same model and step with no "
              "communication (each rank alone, eager / torch.compile).", "",
+             f"Load average (1/5/15 min) at start {results['load_avg_start']}, at end {results['load_avg_end']}; "
+             f"wall {results['wall_s']} s.", "",
              "| variant | step (s) | param bytes / rank | graph breaks | graphs compiled (after warm-up / end) |",
              "|---|---|---|---|---|"]
     for v, x in r.items():
@@ -249,7 +273,7 @@ def main() -> None:
         gm = r[v].get("graph_mode")
         if gm:
             lines.append(f"\n`{v}` compiled graphs: {json.dumps(gm)}")
-    (out_dir / "compile_inject.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
