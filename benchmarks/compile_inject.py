@@ -214,7 +214,7 @@ def main() -> None:
                                "world": 2, "device": "cpu (gloo, 1 thread per rank)", "variants": {},
                                "load_avg_start": os.getloadavg()}
     t0 = time.time()
-    variants = run_distributed(_worker, 2, cfg, batch, warmup, timed, timeout=1800)[0]
+    variants = run_distributed(_worker, 2, cfg, batch, warmup, timed, timeout=3600)[0]
     results["comm_breakdown_s"] = variants.pop("_comm")
     results["variants"] = variants
     results["unshard_budget"] = BUDGET
