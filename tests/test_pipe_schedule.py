@@ -58,43 +58,6 @@ def test_one_f_one_b_in_flight_bound_and_deepspeed_order() -> None:
     assert gpipe(2, 2).programs[0] == (Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, B, 1))
 
 
-@given(p=st.integers(1, 6), m=st.integers(1, 10), slack=st.integers(1, 3))
-@settings(max_examples=60, deadline=None)
-def test_one_f_one_b_with_warmup_slack(p: int, m: int, slack: int) -> None:
-    """[Note: warm-up slack]: valid (simulated), every micro-batch once, ``P - r + slack`` activations in flight on
-    every rank but the last, and the same nominal bubble as plain 1F1B."""
-    sched = build_schedule("1f1b", p, m, warmup_slack=slack)
-    plain = build_schedule("1f1b", p, m)
-    for r, prog in enumerate(sched.programs):
-        comp = _compute(prog)
-        assert [a.microbatch for a in comp if a.kind is F] == list(range(m))
-        assert [a.microbatch for a in comp if a.kind is B] == list(range(m))
-        live, peak = 0, 0
-        for a in comp:
-            live += 1 if a.kind is F else -1
-            peak = max(peak, live)
-        assert peak == min(p - r + (slack if r < p - 1 else 0), m)
-    assert sched.programs[-1] == plain.programs[-1]
-    assert timeline(sched).bubble_fraction == pytest.approx(timeline(plain).bubble_fraction)
-    assert timeline(sched).bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
-
-
-def test_warmup_slack_order_and_errors() -> None:
-    s = one_f_one_b(2, 4, warmup_slack=1)
-    assert " ".join(map(str, s.programs[0])) == "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3"
-    with pytest.raises(ValueError, match="warmup_slack must be an int >= 0, got -1"):
-        one_f_one_b(2, 4, warmup_slack=-1)
-    with pytest.raises(ValueError, match="applies to the '1f1b' schedule only, not 'gpipe'"):
-        build_schedule("gpipe", 2, 4, warmup_slack=1)
-    from zlightning.pipe import PipelineConfig
-
-    assert PipelineConfig(warmup_slack=2).warmup_slack == 2
-    with pytest.raises(ValueError, match="warmup_slack=1 applies to schedule='1f1b' only"):
-        PipelineConfig(schedule="interleaved_1f1b", micro_batches=4, warmup_slack=1)
-    with pytest.raises(ValueError, match="warmup_slack must be an int >= 0"):
-        PipelineConfig(warmup_slack=True)
-
-
 def test_action_strings_and_csv_round_trip() -> None:
     assert Action.parse("12SEND_F3") == Action(12, ActionKind.SEND_F, 3)
     with pytest.raises(ValueError, match="cannot parse pipeline action"):

@@ -81,10 +81,6 @@ class PipelineConfig:
     """Order of work: ``1f1b`` (PipeDream-Flush), ``gpipe`` (all forwards, then all backwards), ``interleaved_1f1b``."""
     virtual_stages: int | None = None
     """Model chunks per rank; default 2 for ``interleaved_1f1b``, else 1."""
-    warmup_slack: int = 0
-    """``1f1b`` only: extra warm-up forwards on every stage but the last, so late actions on one rank do not stall
-    its neighbours (same nominal bubble; one more micro-batch of activations held per extra forward). See
-    [Note: warm-up slack] in ``_schedule.py``."""
     zero_stage: int = 0
     """0, or 1 to shard optimizer state over the data-parallel group."""
     gradient_clipping: float = 0.0
@@ -109,12 +105,6 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig: virtual_stages must be None or an int >= 1, got {v!r}")
         if v not in (None, 1) and self.schedule != "interleaved_1f1b":
             raise ValueError(f"PipelineConfig: virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})")
-        slack = self.warmup_slack
-        if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
-            raise ValueError(f"PipelineConfig: warmup_slack must be an int >= 0, got {slack!r}")
-        if slack and self.schedule != "1f1b":
-            raise ValueError(f"PipelineConfig: warmup_slack={slack} applies to schedule='1f1b' only (got "
-                             f"{self.schedule!r}); set warmup_slack=0")
         if self.zero_stage in (2, 3):
             raise ValueError(
                 f"PipelineConfig: zero_stage={self.zero_stage} is incompatible with pipeline parallelism (gradients "
@@ -224,8 +214,7 @@ class PipelineEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL point-to-point picks the current device
         v = config.chunks_per_rank
-        self.train_schedule: Schedule = build_schedule(config.schedule, pp, config.micro_batches, v,
-                                                       config.warmup_slack)
+        self.train_schedule: Schedule = build_schedule(config.schedule, pp, config.micro_batches, v)
         self.eval_schedule: Schedule = build_schedule("inference", pp, config.micro_batches, v)
         self.module = module
         stages = self.train_schedule.stages_of(self.grid.stage)

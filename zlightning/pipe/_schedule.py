@@ -14,18 +14,6 @@ program abstractly with the executor's communication semantics and raises before
 if a micro-batch is missing or duplicated, an order is illegal, sends and receives do not pair up, or the program
 deadlocks. The executor (``_executor.py``) only interprets actions; it never decides what runs next.
 
-[Note: warm-up slack]
-In 1F1B with nominal action times every action is on the critical path: rank ``r`` sends the forward of micro-batch
-``i + 1`` exactly when rank ``r + 1`` finishes the backward of ``i`` and needs it, and the backward it receives
-arrives exactly when it is ready for it. Any action that runs late on one rank (a preempted core, a slow memory
-phase) therefore makes the neighbour wait, on both sides, and the delays add up over a batch: with per-action times
-spread as measured on a shared 2-core CPU (p90 +8%, max +25%), a model of P=2, M=8 gives 1.13x the nominal bubble.
-One extra warm-up forward on every rank but the last (``warmup_slack=1``) keeps one activation queued ahead of the
-next rank, which absorbs such delays (same model: 1.005x) while the nominal timeline, and so the theoretical
-bubble, is unchanged. The price is memory: one more micro-batch of stored activations on those ranks (``P - r + 1``
-instead of ``P - r``). Hence opt-in (``PipelineConfig(warmup_slack=...)``); DeepSpeed's and torch.pipelining's 1F1B
-are ``warmup_slack=0``.
-
 [Note: communication model]
 Sends are non-blocking (``isend``; completed at the end of the batch) and receives block. Per ordered rank pair the
 messages are matched first-in first-out (NCCL's rule; gloo matches by tag, and the executor uses one tag), so the
@@ -183,24 +171,15 @@ def inference(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) ->
     return Schedule("inference", num_ranks, S, num_microbatches, tuple(programs))
 
 
-def one_f_one_b(num_ranks: int, num_microbatches: int, warmup_slack: int = 0) -> Schedule:
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): ``P - r - 1`` warm-up forwards on rank ``r``, then alternate one forward and one
-    backward, then drain the backwards. At most ``P - r`` activations are in flight on rank ``r``.
-
-    ``warmup_slack`` adds that many warm-up forwards on every rank but the last (see [Note: warm-up slack]): at most
-    ``P - r + warmup_slack`` activations in flight there, the same bubble when every action takes its nominal time.
-
-    Raises:
-        ValueError: sizes below 1, or a negative ``warmup_slack``.
-    """
+    backward, then drain the backwards. At most ``P - r`` activations are in flight on rank ``r``."""
     _check_sizes("1f1b", num_ranks, num_microbatches)
-    if isinstance(warmup_slack, bool) or not isinstance(warmup_slack, int) or warmup_slack < 0:
-        raise ValueError(f"1f1b: warmup_slack must be an int >= 0, got {warmup_slack!r}")
     F, B = ActionKind.FORWARD, ActionKind.BACKWARD
     M = num_microbatches
     programs = []
     for r in range(num_ranks):
-        warmup = min(num_ranks - r - 1 + (warmup_slack if r < num_ranks - 1 else 0), M)
+        warmup = min(num_ranks - r - 1, M)
         prog = [Action(r, F, i) for i in range(warmup)]
         for i in range(M - warmup):
             prog += [Action(r, F, warmup + i), Action(r, B, i)]
@@ -257,21 +236,17 @@ def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int, virtual_stage
     return Schedule("interleaved_1f1b", P, P * v, M, tuple(programs))
 
 
-def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1,
-                   warmup_slack: int = 0) -> Schedule:
-    """The lowered, simulated schedule called ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``inference``);
-    ``warmup_slack`` applies to ``1f1b`` only (see `one_f_one_b`).
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The lowered, simulated schedule called ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``inference``).
 
     Raises:
-        ValueError: unknown name, invalid sizes, or ``warmup_slack`` with another schedule than ``1f1b``.
+        ValueError: unknown name or invalid sizes.
         ScheduleError: the generated program fails the simulator (a bug in a generator).
     """
-    if warmup_slack and name != "1f1b":
-        raise ValueError(f"warmup_slack={warmup_slack} applies to the '1f1b' schedule only, not {name!r}")
     if name == "gpipe":
         sched = gpipe(num_ranks, num_microbatches)
     elif name == "1f1b":
-        sched = one_f_one_b(num_ranks, num_microbatches, warmup_slack)
+        sched = one_f_one_b(num_ranks, num_microbatches)
     elif name == "interleaved_1f1b":
         sched = interleaved_one_f_one_b(num_ranks, num_microbatches, virtual_stages)
     elif name == "inference":
