@@ -72,6 +72,14 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
 
 
+def _record(outcomes: dict[int, tuple[bool, Any]], rank: int, ok: bool, payload: Any) -> None:
+    """Stores one rank's queued outcome: its unpickled result, or its traceback text."""
+    try:
+        outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
+    except Exception:  # noqa: BLE001 - a result that cannot be unpickled must not hide a failure
+        outcomes[rank] = (False, f"<result of rank {rank} could not be unpickled>")
+
+
 _FAILURE_GRACE_S = 15.0
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
 
@@ -96,19 +104,16 @@ def _collect_stragglers(results: Any, procs: list[Any], outcomes: dict[int, tupl
                 if results.empty():
                     return
             continue
-        try:
-            outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
-        except Exception:  # noqa: BLE001 - a result that cannot be unpickled must not hide the failure
-            outcomes[rank] = (False, f"<result of rank {rank} could not be unpickled>")
+        _record(outcomes, rank, ok, payload)
 
 
-def _primary_failure(outcomes: dict[int, tuple[bool, Any]]) -> str | None:
-    """The first rank's error that is not a peer's disconnect (see [Note: which rank's error to report])."""
+def _primary_failure(outcomes: dict[int, tuple[bool, Any]]) -> str:
+    """The first rank's error that is not a peer's disconnect, else the first error (see [Note: which rank's error
+    to report]). ``outcomes`` holds at least one failure."""
     failed = sorted((r, v) for r, (ok, v) in outcomes.items() if not ok)
     primary = [(r, v) for r, v in failed if not any(m in v for m in _SECONDARY)]
-    for r, v in primary or failed:
-        return f"rank {r} raised:\n{v}"
-    return None
+    r, v = (primary or failed)[0]
+    return f"rank {r} raised:\n{v}"
 
 
 def run_distributed(
@@ -171,19 +176,17 @@ def run_distributed(
                     # Give the queue a moment: a rank that just exited may still be flushing its result.
                     time.sleep(0.5)
                     while not results.empty():
-                        rank, ok, payload = results.get()
-                        outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
+                        _record(outcomes, *results.get())
                     dead = [r for r in dead if r not in outcomes]
                     if dead:
                         codes = {r: procs[r].exitcode for r in dead}
                         failure = f"ranks {dead} exited without a result (exit codes {codes})"
                         break
                 continue
-            outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
-            if not ok:
-                failure = f"rank {rank} raised:\n{payload}"
+            _record(outcomes, rank, ok, payload)
+            if not outcomes[rank][0]:
                 _collect_stragglers(results, procs, outcomes, world_size, _FAILURE_GRACE_S)
-                failure = _primary_failure(outcomes) or failure
+                failure = _primary_failure(outcomes)
                 break
     finally:
         exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
