@@ -2,10 +2,10 @@
 compiled DDP, a communication-free compute baseline, and TP=2 vs DP=2, on the benchmark GPT.
 
 Run: ``python benchmarks/compile_inject.py [--model bench|small] [--quick]``. Every variant runs on 2 gloo ranks
-(1 thread each) and trains `examples.gpt_model.GPT` on the same tokens; the step time is the median wall time of the timed steps after warm-up
-(warm-up covers the torch.compile work; all variants are stepped round-robin in the same two processes). Graph breaks
-and compiled graphs (after warm-up and at the end: a difference is a recompile) are counted per variant, and every
-variant's collectives are also timed alone (the compute/communication breakdown). Writes
+(1 thread each) and trains `examples.gpt_model.GPT` on the same tokens; the step time is the median wall time of the
+timed steps after warm-up (warm-up covers the torch.compile work; all variants are stepped round-robin in the same
+two processes). Graph breaks and compiled graphs (after warm-up and at the end: a difference is a recompile) are
+counted per variant, and every variant's collectives are also timed alone (the compute/communication breakdown). Writes
 ``benchmarks/results/compile_inject.{json,md}`` (``--model small``: ``compile_inject_small.*``).
 
 ``--model bench`` (the default) is the benchmark GPT of ``benchmarks/zero3.py`` (``_bench_common.BenchConfig``: d512
@@ -195,7 +195,8 @@ def main() -> None:
                         help="bench: the benchmark GPT of benchmarks/zero3.py (BenchConfig: d512 x 6, seq 256, 8 "
                              "samples/rank); small: d256 x 4, seq 128, 4 samples/rank (latency-bound on gloo)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and fewer steps (smoke run)")
-    parser.add_argument("--timed", type=int, default=None, help="timed steps (default 12; 8 for --model bench)")
+    parser.add_argument("--timed", type=int, default=None,
+                        help="timed steps (default: 8 for --model bench, 12 for small, 4 with --quick)")
     args = parser.parse_args()
     if args.quick:
         cfg, batch, timed = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layer=2, n_head=4), 4, 4
@@ -246,7 +247,7 @@ def main() -> None:
         "floor_zero3_vs_ddp_compiled": (compute + c["zero3_comm_s"]) / (compute + c["ddp_comm_s"]),
     }
     out_dir = ROOT / "benchmarks" / "results"
-    stem = {"bench": "compile_inject", "small": "compile_inject_small", "quick": "compile_inject_quick"}[results["model"]]
+    stem = "compile_inject" if results["model"] == "bench" else f"compile_inject_{results['model']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     lines = ["# compile + inject benchmark (issue 7)", "",
              f"GPT {cfg.d_model}d x {cfg.n_layer} layers, seq {cfg.seq_len}, {batch} samples/rank/step (TP: "
