@@ -57,27 +57,41 @@ Command = Callable[[list[str]], None]
 """A zlightning subcommand that is not a LightningCLI one: called with the arguments after its name."""
 
 def _consolidate(argv: list[str]) -> None:
-    """``zlightning consolidate CKPT_DIR OUT``: one plain state-dict file from a sharded checkpoint."""
+    """``zlightning consolidate CKPT_DIR OUT``: one plain state-dict file from a sharded checkpoint.
+
+    Reads only the checkpoint's metadata and model files (never its client state), without running code from them
+    unless ``--unsafe-load`` is given; a file that needs it stops the command with the refused types named.
+    """
     import argparse
 
     import torch
 
+    from zlightning._safe_load import UnsafeCheckpointError
+    from zlightning.pipe._checkpoint import consolidate_pipeline_checkpoint, is_pipeline_checkpoint
     from zlightning.zero import consolidate
 
     p = argparse.ArgumentParser(prog="zlightning consolidate", description=_consolidate.__doc__)
-    p.add_argument("ckpt_dir", help="sharded checkpoint directory (as written by zstack_zero3)")
+    p.add_argument("ckpt_dir", help="checkpoint directory (as written by zstack_zero3 or zstack_pipeline)")
     p.add_argument("out", help="output file: .pt, or .safetensors when the safetensors package is installed")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written tensors")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--unsafe-load", action="store_true",
+        help="unpickle the model files in full (torch.load weights_only=False), which can run code stored in them: "
+        "only for checkpoints from a source you trust whose buffers or extra state are not plain data",
+    )
     a = p.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    from zlightning.pipe._checkpoint import consolidate_pipeline_checkpoint, is_pipeline_checkpoint  # issue 5
-
-    if is_pipeline_checkpoint(a.ckpt_dir):  # a zstack_pipeline checkpoint directory (issue 5)
-        torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in consolidate_pipeline_checkpoint(a.ckpt_dir).items()}, a.out)
-        print(f"wrote {a.out}")
-        return
-    out = consolidate(a.ckpt_dir, a.out, dtype=dtype, progress=not a.no_progress)
+    weights_only = False if a.unsafe_load else None
+    try:
+        if is_pipeline_checkpoint(a.ckpt_dir):  # a zstack_pipeline checkpoint directory
+            state = consolidate_pipeline_checkpoint(a.ckpt_dir, weights_only=weights_only)
+            torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, a.out)
+            out = a.out
+        else:
+            out = consolidate(a.ckpt_dir, a.out, dtype=dtype, progress=not a.no_progress, weights_only=weights_only)
+    except UnsafeCheckpointError as err:
+        sys.exit(f"zlightning consolidate: {err}")
     print(f"wrote {out}")
 
 

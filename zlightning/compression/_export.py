@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from zlightning._safe_load import load_file
 from zlightning.compression._api import HEAD_COUNT_ATTRS, _clean, _root
 from zlightning.compression._modules import COMPRESSED_TYPES, TECHNIQUES
 from zlightning.compression._quantize import QuantizedTensor, dequantize, pack_codes, quantize, unpack_codes
@@ -205,10 +206,14 @@ def load_compressed(path: str | os.PathLike[str], model: nn.Module) -> nn.Module
     Layers that were shrunk by cleaning are resized, head-count attributes restored, and quantized weights
     dequantized (bit-identical to the exported model's weights).
 
+    The file is read weights-only: nothing stored in it is called (the format is tensors and plain data).
+
     Raises:
         ValueError: If the file is not a zlightning compressed export.
+        UnsafeCheckpointError: If the file names types that only full unpickling would rebuild (never true of a
+            `save_compressed` file); nothing is loaded then.
     """
-    blob = torch.load(path, weights_only=True)
+    blob = load_file(path, opt_in=None, map_location=None)
     if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
         raise ValueError(f"{path} is not a zlightning compressed export (expected format {_FORMAT!r}).")
     root = _root(model)

@@ -6,9 +6,17 @@ A checkpoint is a directory::
     meta.json            format, version, world size, per-group layout (parameter names, shapes, offsets), the
                          optimizer layout, and a SHA-256 per file
     rank_00000.pt ...    one per rank: that rank's flat shard of every group (model), and its optimizer state as one
-                         flat tensor per (group, state key) plus per-parameter scalars (Adam's ``step``)
+                         flat tensor per (group, state key) plus per-parameter scalars (Adam's ``step``); rank 0's
+                         also holds the module's buffers and extra state (replicated)
     client_state.pt      everything else (Lightning's loops, callbacks, schedulers, hyper-parameters), from rank 0
+    client_objects.pt    only when a hyper-parameter is not plain data: the original values (see [Note: described
+                         hyper-parameters] in ``zlightning/_safe_load.py``)
     full_weights.pt      optional (``save_full_weights``): the consolidated model state dict
+
+Every file is read weights-only unless the caller opts in (see [Note: what loading trusts] in
+``zlightning/_safe_load.py``), and `consolidate` reads only ``meta.json`` and the rank files, never the client state.
+Version 1 checkpoints kept the buffers in the client state; they still load (`consolidate` then reads the client
+state, weights-only).
 
 A group's flat layout (parameters end to end, padded to a multiple of the world size) does not depend on the world
 size, only its cut into per-rank slices does. So loading at world size M reads, for each new rank, the old rank files
@@ -41,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zlightning._safe_load import LIGHTNING_OPT_IN, join_client_state, load_file, split_client_state
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._state import ZeroState
 
@@ -55,11 +64,15 @@ __all__ = [
 ]
 
 FORMAT = "zlightning-zero-sharded"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: buffers inside the client state
 META = "meta.json"
 CLIENT = "client_state.pt"
+OBJECTS = "client_objects.pt"
 FULL_WEIGHTS = "full_weights.pt"
-BUFFERS = "zero_buffers"  # key in the client state: the module's buffers and extra state (replicated, from rank 0)
+BUFFERS = "zero_buffers"  # key in rank 0's file (version 1: in the client state): the module's buffers and extra state
+LOAD_OPT_IN = f"{LIGHTNING_OPT_IN}, or load_sharded(..., weights_only=False)"
+CONSOLIDATE_OPT_IN = "zlightning consolidate --unsafe-load, or consolidate(..., weights_only=False)"
 
 
 class CheckpointError(ValueError):
@@ -150,7 +163,9 @@ def save_sharded(
         state: the engine.
         optimizers: optimizers attached to it (their sharded state is saved).
         path: target directory; replaced atomically if it exists.
-        client_state: extra picklable state written once by rank 0 (e.g. Lightning's loops and callbacks).
+        client_state: extra picklable state written once by rank 0 (e.g. Lightning's loops and callbacks); it
+            should load with ``torch.load(weights_only=True)`` (plain data), except hyper-parameters (see
+            [Note: described hyper-parameters] in ``zlightning/_safe_load.py``).
         save_full_weights: also gather a consolidated model state dict into ``full_weights.pt``.
     """
     from zlightning.zero._checkpoint import full_state_dict
@@ -164,6 +179,8 @@ def save_sharded(
         "shards": shards,
         "optimizers": [_local_optimizer_payload(state, opt) for opt in optimizers],
     }
+    if state.rank == 0:
+        payload[BUFFERS] = _buffers(state)
     rank_path = tmp / _rank_file(state.rank)
     torch.save(payload, rank_path)
     digests: list[Any] = [None] * state.world_size
@@ -175,8 +192,12 @@ def save_sharded(
     full = full_state_dict(state, rank0_only=True) if save_full_weights else None
     if state.rank == 0:
         files = {_rank_file(r): d for r, d in enumerate(digests)}
-        torch.save({**dict(client_state or {}), BUFFERS: _buffers(state)}, tmp / CLIENT)
+        plain, originals = split_client_state(client_state or {})
+        torch.save(plain, tmp / CLIENT)
         files[CLIENT] = _sha256(tmp / CLIENT)
+        if originals:
+            torch.save(originals, tmp / OBJECTS)
+            files[OBJECTS] = _sha256(tmp / OBJECTS)
         if full is not None:
             torch.save(full, tmp / FULL_WEIGHTS)
             files[FULL_WEIGHTS] = _sha256(tmp / FULL_WEIGHTS)
@@ -228,9 +249,10 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{meta_path} is not valid JSON ({err}): the checkpoint is corrupted") from err
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected {FORMAT!r} {VERSION}"
+            f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected {FORMAT!r} version "
+            f"{' or '.join(map(str, READABLE_VERSIONS))}"
         )
     return meta
 
@@ -293,13 +315,16 @@ def _sources(meta: Mapping[str, Any]) -> dict[str, _Source]:
 class _RankFiles:
     """Loads old rank files lazily, at most the ones a new shard overlaps."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, weights_only: bool | None, opt_in: str) -> None:
         self.path = path
+        self.weights_only = weights_only
+        self.opt_in = opt_in
         self._cache: dict[int, dict[str, Any]] = {}
 
     def get(self, rank: int) -> dict[str, Any]:
         if rank not in self._cache:
-            self._cache[rank] = torch.load(self.path / _rank_file(rank), map_location="cpu", weights_only=True)
+            file = self.path / _rank_file(rank)
+            self._cache[rank] = load_file(file, weights_only=self.weights_only, opt_in=self.opt_in)
         return self._cache[rank]
 
 
@@ -320,15 +345,30 @@ def _assemble(
 
 
 def load_sharded(
-    state: ZeroState, optimizers: Sequence[torch.optim.Optimizer], path: str | os.PathLike[str]
+    state: ZeroState,
+    optimizers: Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    *,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Loads a sharded checkpoint saved at any world size into this engine's shards and optimizers (collective).
+
+    Every file is read weights-only (see [Note: what loading trusts] in ``zlightning/_safe_load.py``) unless
+    ``weights_only=False``, which also restores hyper-parameters that are not plain data.
+
+    Args:
+        state: the engine.
+        optimizers: optimizers attached to it (their sharded state is loaded).
+        path: the checkpoint directory.
+        weights_only: ``False`` opts in to full unpickling (trusted checkpoints only); ``None``/``True`` do not.
 
     Returns:
         The client state (Lightning's loops, callbacks, schedulers...).
 
     Raises:
         CheckpointError: missing or corrupted files, or a checkpoint of another model (nothing is modified then).
+        UnsafeCheckpointError: a file needs full unpickling and ``weights_only`` is not ``False`` (nothing is
+            modified then).
     """
     path = Path(path)
     meta = read_metadata(path)
@@ -337,12 +377,21 @@ def load_sharded(
     new_opt = len(optimizers)
     if optimizers and meta["num_optimizers"] != new_opt:
         raise CheckpointError(f"{path} holds {meta['num_optimizers']} optimizers' state, this run has {new_opt}")
-    files = _RankFiles(path)
+    files = _RankFiles(path, weights_only, LOAD_OPT_IN)
     needed = {r for zp in state.params for r in sources[zp.fqn].ranks(zp)}
     if not needed:
         needed = {0}  # optimizer metadata lives in every rank file; rank 0's always exists
-    _verify_files(path, meta, [_rank_file(r) for r in sorted(needed | {0})] + [CLIENT])
-    # Build everything first (see [Note: atomic, all-or-nothing]).
+    objects = OBJECTS in meta["files"] and weights_only is False  # read only under the opt-in
+    names = [_rank_file(r) for r in sorted(needed | {0})] + [CLIENT] + ([OBJECTS] if objects else [])
+    _verify_files(path, meta, names)
+    # Build everything first (see [Note: atomic, all-or-nothing]), the client state before all.
+    client = load_file(path / CLIENT, weights_only=weights_only, opt_in=LOAD_OPT_IN)
+    if not isinstance(client, dict):
+        raise CheckpointError(f"{path / CLIENT} holds a {type(client).__name__}, not a dict: the checkpoint is corrupted")
+    originals = (lambda: load_file(path / OBJECTS, weights_only=False, opt_in=LOAD_OPT_IN)) if objects else None
+    client = join_client_state(client, originals, weights_only)
+    legacy_buffers = client.pop(BUFFERS, {})  # version 1
+    buffers = files.get(0).get(BUFFERS, legacy_buffers)
     new_shards = []
     for g in state.groups:
         base = g.rank * g.shard_numel
@@ -360,8 +409,6 @@ def load_sharded(
             g.shard[: new.numel()].copy_(new.to(g.shard.device))
     for opt, sd in zip(optimizers, opt_states):
         opt.load_state_dict(sd)
-    client = torch.load(path / CLIENT, map_location="cpu", weights_only=False)
-    buffers = client.pop(BUFFERS, {})
     if buffers:
         state.root.load_state_dict(buffers, strict=False)
     state.on_optimizer_step()  # gathered copies are stale
@@ -402,20 +449,25 @@ def consolidate(
     *,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    weights_only: bool | None = None,
 ) -> Path:
     """Writes one plain ``state_dict`` file (``.pt``, or ``.safetensors`` when that package is installed and the
     name ends so) from a sharded checkpoint, reading one rank file at a time (peak memory ≈ one full model).
 
-    The result loads with ``model.load_state_dict(torch.load(out))``; tied weights appear under every name.
+    Reads ``meta.json`` and the rank files only (shards, and buffers from rank 0's), weights-only unless
+    ``weights_only=False`` (needed only for buffers or extra state that are not plain data); never the client state's
+    objects. The result loads with ``model.load_state_dict(torch.load(out))``; tied weights appear under every name.
 
     Raises:
         CheckpointError: as ``load_sharded``.
+        UnsafeCheckpointError: a file needs full unpickling and ``weights_only`` is not ``False``.
         ImportError: ``.safetensors`` requested without the ``safetensors`` package.
     """
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     meta = read_metadata(ckpt_dir)
     world = int(meta["world_size"])
-    _verify_files(ckpt_dir, meta, [_rank_file(r) for r in range(world)])
+    legacy = meta["version"] == 1 and (ckpt_dir / CLIENT).is_file()  # buffers in the client state
+    _verify_files(ckpt_dir, meta, [_rank_file(r) for r in range(world)] + ([CLIENT] if legacy else []))
     fulls: list[torch.Tensor] = []
     for g in meta["groups"]:
         saved = getattr(torch, g["dtype"])
@@ -428,11 +480,13 @@ def consolidate(
             ranks = tqdm(ranks, desc=f"consolidating {ckpt_dir.name}", unit="shard")
         except ImportError:
             pass
+    buffers: dict[str, Any] = {}
     for r in ranks:
-        shards = torch.load(ckpt_dir / _rank_file(r), map_location="cpu", weights_only=True)["shards"]
-        for flat, shard in zip(fulls, shards):
+        payload = load_file(ckpt_dir / _rank_file(r), weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN)
+        for flat, shard in zip(fulls, payload["shards"]):
             flat[r * shard.numel() : (r + 1) * shard.numel()].copy_(shard)
-        del shards
+        buffers.update(payload.get(BUFFERS, {}))
+        del payload
     state_dict: dict[str, torch.Tensor] = {}
     for flat, g in zip(fulls, meta["groups"]):
         for p in g["params"]:
@@ -440,10 +494,9 @@ def consolidate(
             for name in p["fqns"]:
                 state_dict[name] = t
     del fulls
-    client_path = ckpt_dir / CLIENT
-    if client_path.is_file():  # buffers and extra state travel in the client state
-        client = torch.load(client_path, map_location="cpu", weights_only=False)
-        state_dict.update(client.get(BUFFERS, {}))
+    if legacy:
+        buffers = load_file(ckpt_dir / CLIENT, weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN).get(BUFFERS, {})
+    state_dict.update(buffers)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         from safetensors.torch import save_file  # raises ImportError with the package's own message
