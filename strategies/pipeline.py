@@ -19,6 +19,9 @@ per-layer files, per-rank optimizer files, Lightning's loop state as client stat
 ``consolidate_pipeline_checkpoint`` turns it into one plain state dict. With ``tensor_parallel_size > 1`` each rank
 writes its slices; such a checkpoint resumes on the same split and TP size only (see [Note: checkpoints with tensor
 parallelism] in ``zlightning.pipe._checkpoint``), and consolidation raises ``NotImplementedError``.
+``ckpt_path=`` reads every file weights-only (no code from the checkpoint runs); Lightning's
+``fit/validate/test/predict(..., weights_only=False)`` is the opt-in to full unpickling for trusted checkpoints (see
+[Note: Lightning's weights_only after setup] in ``_weights_only.py``).
 
 [Note: PP x TP in Lightning]
 ``PipelineStrategy(tensor_parallel_size=t)`` sets ``PipelineConfig.tensor_parallel_size`` (see [Note: PP x TP] in
@@ -56,6 +59,7 @@ from zlightning.pipe._checkpoint import is_pipeline_checkpoint, load_pipeline_ch
 from zlightning.pipe._partition import layer_weights
 from zlightning.strategies._base import LaunchedParallelStrategy
 from zlightning.strategies._groups import metrics_to_group
+from zlightning.strategies._weights_only import requested_weights_only
 from zlightning.zero import LossScalerConfig
 
 __all__ = ["PipelinePrecision", "PipelineStrategy"]
@@ -341,7 +345,8 @@ class PipelineStrategy(LaunchedParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.engine is None or not is_pipeline_checkpoint(checkpoint_path):
             raise ValueError(f"zstack_pipeline resumes only from its own checkpoint directories; {checkpoint_path} is not one")
-        client = load_pipeline_checkpoint(self.engine, checkpoint_path, self._optimizer())
+        weights_only = requested_weights_only(weights_only)  # see [Note: Lightning's weights_only after setup]
+        client = load_pipeline_checkpoint(self.engine, checkpoint_path, self._optimizer(), weights_only=weights_only)
         client["state_dict"] = {}
         return client
 

@@ -9,6 +9,12 @@ Layout of a checkpoint directory::
     optim_pp{stage:02d}_dp{dp:02d}.pt  optimizer state of that rank (ZeRO-1: only its own parameters' state), with
                                      the model name of each of its parameters
     client_state.pt                  anything else (Lightning's loop state), from global rank 0
+    client_objects.pt                only when a hyper-parameter is not plain data: the original values (see
+                                     [Note: described hyper-parameters] in ``zlightning/_safe_load.py``)
+
+Every file is read weights-only unless the caller opts in (see [Note: what loading trusts] in
+``zlightning/_safe_load.py``); loading reads every file it needs before it changes anything, and consolidation reads
+only ``meta.pt`` and the layer files.
 
 With tensor parallelism (``grid.tp > 1``) layer and optimizer files carry the TP index: ``layer_{idx:03d}-tp{t:02d}-
 model_states.pt`` (the slices of TP rank ``t``) and ``optim_pp{stage:02d}_dp{dp:02d}_tp{t:02d}.pt``; see
@@ -45,12 +51,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zlightning._safe_load import LIGHTNING_OPT_IN, join_client_state, load_file, split_client_state
 from zlightning.pipe._engine import PipelineEngine
 
 __all__ = ["consolidate_pipeline_checkpoint", "is_pipeline_checkpoint", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
 _FORMAT = "zlightning-pipeline-v1"
 _OPTIM_RE = re.compile(r"^optim_pp(\d+)_dp(\d+)\.pt$")
+_LOAD_OPT_IN = f"{LIGHTNING_OPT_IN}, or load_pipeline_checkpoint(..., weights_only=False)"
+_CONSOLIDATE_OPT_IN = (
+    "zlightning consolidate --unsafe-load, or consolidate_pipeline_checkpoint(..., weights_only=False)"
+)
 
 
 def is_pipeline_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -118,7 +129,11 @@ def save_pipeline_checkpoint(
         meta = {"format": _FORMAT, "bounds": module.bounds, "pp": grid.pp, "dp": grid.dp, "num_layers": len(module.specs),
                 "zero_stage": engine.config.zero_stage, "tp": grid.tp, "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
         torch.save(meta, path / "meta.pt")
-        torch.save(client_state or {}, path / "client_state.pt")
+        plain, originals = split_client_state(client_state or {})
+        torch.save(plain, path / "client_state.pt")
+        (path / "client_objects.pt").unlink(missing_ok=True)  # from an earlier save into the same directory
+        if originals:
+            torch.save(originals, path / "client_objects.pt")
     _barrier()
 
 
@@ -142,8 +157,15 @@ def _split_optim_file(data: dict[str, Any]) -> tuple[dict[str, Any], list[str | 
     return data, None  # written before names were recorded
 
 
-def _load_regridded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, path: Path, meta: dict[str, Any]) -> None:
-    """See [Note: optimizer state on another grid]."""
+def _regridded_state(
+    engine: PipelineEngine,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    meta: dict[str, Any],
+    weights_only: bool | None,
+) -> dict[str, Any]:
+    """This rank's optimizer state dict gathered from every optimizer file. See [Note: optimizer state on another
+    grid]."""
     names = _param_names(engine)
     params = _optimizer_params(optimizer)
     owned = {id(p) for p in params}
@@ -155,7 +177,7 @@ def _load_regridded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, pa
     files = sorted(f for f in path.iterdir() if _OPTIM_RE.match(f.name))
     for f in files:
         # on the host: only this rank's share is kept; load_state_dict moves it next to the parameters
-        saved, saved_names = _split_optim_file(torch.load(f, map_location="cpu", weights_only=False))
+        saved, saved_names = _split_optim_file(load_file(f, weights_only=weights_only, opt_in=_LOAD_OPT_IN))
         if saved_names is None:
             raise ValueError(
                 f"{f}: optimizer state was saved on a {meta['pp']} x {meta['dp']} grid without parameter names (an older "
@@ -172,48 +194,66 @@ def _load_regridded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, pa
         source = next((group_of[i] for i in g["params"] if i in group_of), None)
         hyper = {k: v for k, v in (source or g).items() if k not in ("params", "param_names")}
         groups.append({**g, **hyper})  # this grid's parameter indices (and names, if any), the saved hyperparameters
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_meta(path: Path, weights_only: bool | None, opt_in: str) -> dict[str, Any]:
     if not (path / "meta.pt").is_file():
         raise FileNotFoundError(f"{path} is not a zlightning pipeline checkpoint (no meta.pt)")
-    meta = torch.load(path / "meta.pt", weights_only=True)
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{path}: unknown pipeline checkpoint format {meta.get('format')!r}; expected {_FORMAT!r}")
+    meta = load_file(path / "meta.pt", weights_only=weights_only, opt_in=opt_in)
+    found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+    if found != _FORMAT:
+        raise ValueError(f"{path}: unknown pipeline checkpoint format {found!r}; expected {_FORMAT!r}")
     return meta
 
 
 def load_pipeline_checkpoint(
-    engine: PipelineEngine, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, load_optimizer: bool = True
+    engine: PipelineEngine,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    load_optimizer: bool = True,
+    *,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Loads the layers this rank holds (any earlier stage count works for the model), the optimizer state (on any
     grid; see [Note: optimizer state on another grid]) and the fp16 loss scale (with ``load_optimizer``).
     Re-broadcasts tied weights. Returns the client state.
+
+    Every file is read weights-only, and before anything is restored, unless ``weights_only=False`` (the opt-in to
+    full unpickling for trusted checkpoints; it also restores hyper-parameters that are not plain data).
 
     Raises:
         ValueError: the checkpoint has another layer count, or it is an older checkpoint (no parameter names) whose
             optimizer state was saved on a different grid.
         NotImplementedError: tensor parallelism on either side and another split or TP size, or optimizer state
             saved under TP on another data-parallel size (see [Note: checkpoints with tensor parallelism]).
+        UnsafeCheckpointError: a file needs full unpickling and ``weights_only`` is not ``False`` (nothing was
+            restored).
     """
     path = Path(path)
-    meta = _read_meta(path)
+    meta = _read_meta(path, weights_only, _LOAD_OPT_IN)
     grid, module = engine.grid, engine.module
     if meta["num_layers"] != len(module.specs):
         raise ValueError(f"{path} holds {meta['num_layers']} layers but the PipelineModule has {len(module.specs)}")
     _check_tp(engine, path, meta)
-    for idx in _local_layers(engine):
-        state = torch.load(path / _layer_file(idx, grid.tp, grid.tp_rank), map_location=engine.device, weights_only=True)
-        module.get_submodule(str(idx)).load_state_dict(state)
-    for key in module.tied_modules:
-        module.tied_modules[key].load_state_dict(torch.load(path / f"tied_{key}-model_states.pt", map_location=engine.device, weights_only=True))
+
+    def load(name: str, **kwargs: Any) -> Any:
+        return load_file(path / name, weights_only=weights_only, opt_in=_LOAD_OPT_IN, **kwargs)
+
+    client = load("client_state.pt")
+    objects = path / "client_objects.pt"
+    client = join_client_state(client, (lambda: load(objects.name)) if objects.is_file() else None, weights_only)
+    layers = {
+        idx: load(_layer_file(idx, grid.tp, grid.tp_rank), map_location=engine.device) for idx in _local_layers(engine)
+    }
+    tied = {key: load(f"tied_{key}-model_states.pt", map_location=engine.device) for key in module.tied_modules}
     optimizer = optimizer if optimizer is not None else engine.optimizer
+    optim_state = None
     if optimizer is not None and load_optimizer:
         same = meta["pp"] == grid.pp and meta["dp"] == grid.dp and meta["bounds"] == module.bounds
         if same and (grid.dp == 1 or meta.get("zero_stage", 0) == engine.config.zero_stage):
             own = _optim_file(grid.stage, grid.dp_rank, grid.tp, grid.tp_rank)
-            optimizer.load_state_dict(_split_optim_file(torch.load(path / own, map_location=engine.device, weights_only=False))[0])
+            optim_state = _split_optim_file(load(own, map_location=engine.device))[0]
         elif grid.tp > 1:
             raise NotImplementedError(
                 f"{path}: optimizer state saved under tensor parallelism on a {meta['dp']}-replica grid (ZeRO stage "
@@ -221,22 +261,32 @@ def load_pipeline_checkpoint(
                 f"{engine.config.zero_stage}); load with load_optimizer=False (weights only)"
             )
         else:
-            _load_regridded(engine, optimizer, path, meta)
+            optim_state = _regridded_state(engine, optimizer, path, meta, weights_only)
+    # Everything is read: restore.
+    for idx, state in layers.items():
+        module.get_submodule(str(idx)).load_state_dict(state)
+    for key, state in tied.items():
+        module.tied_modules[key].load_state_dict(state)
+    if optimizer is not None and optim_state is not None:
+        optimizer.load_state_dict(optim_state)
     if load_optimizer and engine.scaler is not None and meta.get("loss_scaler") is not None:
         engine.scaler.load_state_dict(meta["loss_scaler"])
     engine._sync_replicas()
-    return torch.load(path / "client_state.pt", weights_only=False)
+    return client
 
 
-def consolidate_pipeline_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def consolidate_pipeline_checkpoint(
+    path: str | os.PathLike[str], *, weights_only: bool | None = None
+) -> dict[str, torch.Tensor]:
     """One plain state dict with the names of a one-stage ``PipelineModule`` (``"{idx}.{param}"`` and
     ``"tied_modules.{key}.{param}"``), loadable with ``PipelineModule(...).build().load_state_dict``. No process group
-    needed.
+    needed. Reads ``meta.pt`` and the layer files only, weights-only unless ``weights_only=False``.
 
     Raises:
-        NotImplementedError: a checkpoint written with tensor parallelism."""
+        NotImplementedError: a checkpoint written with tensor parallelism.
+        UnsafeCheckpointError: a file needs full unpickling and ``weights_only`` is not ``False``."""
     path = Path(path)
-    meta = _read_meta(path)
+    meta = _read_meta(path, weights_only, _CONSOLIDATE_OPT_IN)
     if meta.get("tp", 1) > 1:
         raise NotImplementedError(
             f"{path} holds tensor-parallel slices (tensor_parallel_size={meta['tp']}); consolidating them is not "
@@ -246,11 +296,11 @@ def consolidate_pipeline_checkpoint(path: str | os.PathLike[str]) -> dict[str, t
     for idx in range(meta["num_layers"]):
         f = path / f"layer_{idx:03d}-model_states.pt"
         if f.is_file():
-            for k, v in torch.load(f, map_location="cpu", weights_only=True).items():
+            for k, v in load_file(f, weights_only=weights_only, opt_in=_CONSOLIDATE_OPT_IN).items():
                 out[f"{idx}.{k}"] = v
     for f in sorted(path.glob("tied_*-model_states.pt")):
         key = f.name[len("tied_") : -len("-model_states.pt")]
-        for k, v in torch.load(f, map_location="cpu", weights_only=True).items():
+        for k, v in load_file(f, weights_only=weights_only, opt_in=_CONSOLIDATE_OPT_IN).items():
             out[f"tied_modules.{key}.{k}"] = v
     return out
 
