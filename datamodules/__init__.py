@@ -13,6 +13,7 @@ __all__ = ["BYTE_VOCAB_SIZE", "PackedByteDataset", "TextCorpusDataModule", "corp
 from .curriculum_analyzer import DataAnalyzer, MetricSpec, write_metric_index
 from .curriculum_analyzer_dist import DistributedDataAnalyzer
 from .curriculum_config import CurriculumMetricConfig, DataEfficiencyConfig
+from .curriculum_ds_state import read_deepspeed_sampler_state
 from .curriculum_index import IndexFile
 from .curriculum_module import CurriculumDataModule
 from .curriculum_sampler import DeepSpeedDataSampler
@@ -30,6 +31,7 @@ __all__ += [
     "IndexFile",
     "MetricSpec",
     "difficulty_at",
+    "read_deepspeed_sampler_state",
     "write_metric_index",
 ]
 

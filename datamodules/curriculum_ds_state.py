@@ -21,6 +21,12 @@ difficulties are set to ``current_difficulties``. What follows is the pending ba
 continuation is a correct curriculum run (bound, lockstep, within-pass uniqueness), not DeepSpeed's random stream
 (the two samplers draw differently; see [Note: drawing] in ``curriculum_sampler.py``).
 
+Reading a DeepSpeed checkpoint file (`read_deepspeed_sampler_state`): DeepSpeed pickles numpy values into it (the
+legacy ``np_rng_state`` tuple holds an array, ids and counters may be numpy scalars). The file is read weights-only
+(numpy arrays, scalars and dtypes are rebuilt from their bytes without calling anything the file names; see [Note:
+what loading trusts] in ``zlightning/_safe_load.py``) and the sampler state is converted to plain Python values, so
+that it also survives our own weights-only checkpoints.
+
 Export (`deepspeed_state`): the same seven keys for the state after a given micro-batch, and one DeepSpeed cluster
 file per cluster in a folder of its own (the order of the cluster's current pass), so that a DeepSpeed sampler whose
 ``data_cluster_path`` is that folder, or this sampler again, continues from it. Round trip export -> import is exact:
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,7 +51,13 @@ from .curriculum_index import IndexFile, write_index_file
 if TYPE_CHECKING:
     from .curriculum_sampler import DeepSpeedDataSampler
 
-__all__ = ["DEEPSPEED_STATE_KEYS", "deepspeed_state", "is_deepspeed_state", "load_deepspeed_state"]
+__all__ = [
+    "DEEPSPEED_STATE_KEYS",
+    "deepspeed_state",
+    "is_deepspeed_state",
+    "load_deepspeed_state",
+    "read_deepspeed_sampler_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +76,47 @@ DEEPSPEED_STATE_KEYS = (
 def is_deepspeed_state(state: Mapping[str, Any]) -> bool:
     """Whether ``state`` looks like DeepSpeed's sampler state (its keys, and not our ``format`` key)."""
     return "format" not in state and all(k in state for k in DEEPSPEED_STATE_KEYS)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy arrays and scalars turned into Python lists and numbers (containers kept)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def read_deepspeed_sampler_state(path: str | os.PathLike[str], *, weights_only: bool | None = None) -> dict[str, Any]:
+    """The sampler state (``checkpoint["data_sampler"]``) of a DeepSpeed checkpoint file, as plain Python values.
+
+    Read without running code from the file (see [Note: DeepSpeed checkpoints]); pass the result to
+    `DeepSpeedDataSampler.load_state_dict` or ``CurriculumDataModule.load_state_dict({"sampler": ...})``.
+
+    Args:
+        path: DeepSpeed's ``<save_dir>/<tag>/mp_rank_00_model_states.pt`` (or any file holding ``data_sampler``).
+        weights_only: ``False`` unpickles the file in full (it can run code stored in it: trusted files only), for a
+            checkpoint whose other entries need types weights-only loading refuses.
+
+    Raises:
+        UnsafeCheckpointError: the file needs full unpickling and ``weights_only`` is not ``False``.
+        ValueError: the file has no sampler state in DeepSpeed's layout.
+    """
+    from zlightning._safe_load import load_file
+
+    opt_in = "read_deepspeed_sampler_state(path, weights_only=False)"
+    checkpoint = load_file(path, weights_only=weights_only, opt_in=opt_in)
+    state = checkpoint.get("data_sampler") if isinstance(checkpoint, Mapping) else None
+    if not isinstance(state, Mapping) or not is_deepspeed_state(state):
+        raise ValueError(
+            f"read_deepspeed_sampler_state: {path} holds no DeepSpeed sampler state (a 'data_sampler' entry with "
+            f"keys {list(DEEPSPEED_STATE_KEYS)}); DeepSpeed writes it to mp_rank_00_model_states.pt when data_efficiency.data_sampling is enabled."
+        )
+    return _plain(dict(state))
 
 
 def parse_cluster_name(name: str, metrics: list[str]) -> dict[str, int]:
