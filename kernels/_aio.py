@@ -251,7 +251,7 @@ def _open(path: str, op: Op, direct: bool) -> int:
     flags = (os.O_RDONLY if op == "read" else os.O_WRONLY | os.O_CREAT) | getattr(os, "O_CLOEXEC", 0)
     if direct:
         flags |= os.O_DIRECT
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, 0o600)  # model and optimizer state: readable by its owner only
 
 
 def _open_direct(path: str, op: Op) -> int | None:

@@ -7,6 +7,9 @@ engine closes (normal exit, the strategy's teardown after an exception), at inte
 SIGTERM. A SIGKILL leaves it behind: the next run on the same path finds folders whose owner is gone (same host,
 pid dead or reused by another process) and removes them with a warning, or refuses to start
 (``NVMeOffload(stale_files="error")``). Folders owned by live processes or other hosts are never touched.
+Swap files hold the run's model and optimizer state, which other local users must not read: ``zlightning_swap`` and
+the run folders are created with mode 0o700 and the files with 0o600, whatever the umask, and a ``zlightning_swap``
+that belongs to another user is refused (its owner could replace our run folder by one of theirs before we write).
 
 [Note: SIGTERM]
 The handler is chained, not replacing: when a previous Python handler exists (Lightning installs one that finishes
@@ -205,11 +208,12 @@ class SwapDirectory:
         Raises:
             SwapPathError: stale folders exist and ``stale_files == "error"``.
         """
+        _private_base(self.root / SWAP_ROOT)
         self._handle_stale(stale_files)
         # Created under a temporary name with its owner file, then renamed: another rank scanning for stale folders
         # never sees a run folder without an owner.
         staging = self.path.with_name(f".creating-{self.path.name}")
-        staging.mkdir(parents=True, exist_ok=False)
+        staging.mkdir(mode=0o700, exist_ok=False)
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _start_time(os.getpid())}
         (staging / "owner.json").write_text(json.dumps(owner))
         os.replace(staging, self.path)
@@ -225,7 +229,9 @@ class SwapDirectory:
             try:
                 owner = json.loads((folder / "owner.json").read_text())
             except (OSError, ValueError):
-                owner = {"host": socket.gethostname(), "pid": -1}  # never finished starting: orphaned
+                owner = None
+            if not isinstance(owner, dict):
+                owner = {"host": socket.gethostname(), "pid": -1}  # never finished starting (or not ours): orphaned
             if _owner_alive(owner) is False:
                 stale.append(folder)
         if not stale:
@@ -254,6 +260,28 @@ class SwapDirectory:
             (self.root / SWAP_ROOT).rmdir()
         except OSError:
             pass
+
+
+def _private_base(base: Path) -> None:
+    """Creates ``base`` readable by its owner only, or checks that the existing one belongs to this user.
+
+    Raises:
+        SwapPathError: ``base`` belongs to another user. See [Note: swap folder lifecycle].
+    """
+    try:
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = base.stat().st_uid
+    except OSError as err:
+        raise SwapPathError(
+            f"cannot create the swap folder {base} ({type(err).__name__}: {err.strerror or err}). Pass "
+            "NVMeOffload(path=...) a directory of your own."
+        ) from err
+    if owner != os.getuid():
+        raise SwapPathError(
+            f"the swap folder {base} belongs to another user (uid {owner}, this process runs as uid {os.getuid()}): "
+            "swap files hold the model and optimizer state and are not written where another user controls the "
+            "folder. Pass NVMeOffload(path=...) a directory of your own."
+        )
 
 
 def _remove_tree(folder: Path) -> None:
