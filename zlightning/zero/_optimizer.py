@@ -355,13 +355,19 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         """Optional bracket for code that runs the model through methods other than ``forward``."""
         return self.state.forward_pass()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``(loss * loss_scale / gradient_accumulation_steps).backward()``; gradients land in the shards."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``(loss * loss_scale / gradient_accumulation_steps).backward()``; gradients land in the shards.
+
+        Args:
+            loss: the micro-batch loss (a scalar tensor).
+            retain_graph: passed on to ``Tensor.backward``, as DeepSpeed's ``backward(loss, retain_graph=False)``
+                does, so the graph can be walked again (a second backward through the same forward).
+        """
         self._micro_steps += 1
         # Stage 1 reduces once per accumulation window: see ZeroConfig.stage.
         boundary = self._micro_steps % self.gradient_accumulation_steps == 0
         self.state.gradient_sync = self.state.config.stage != 1 or boundary
-        (loss * (self.loss_scale / self.gradient_accumulation_steps)).backward()
+        (loss * (self.loss_scale / self.gradient_accumulation_steps)).backward(retain_graph=retain_graph)
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Unscales (fp16), skips on overflow, clips, steps and zeroes gradients. Returns False when skipped."""
