@@ -45,9 +45,13 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TypeAlias
+from typing import Any, TypeAlias
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 __all__ = [
+    "BalancedCPScheduler",
     "CostFn",
     "HybridCPSchedule",
     "ScheduleStats",
@@ -429,6 +433,98 @@ def _to_schedule(pk: _Packing, n: int) -> HybridCPSchedule:
                 ranks[r] = list(ids)
         schedule.append(ranks)
     return schedule
+
+
+# ------------------------------------------------------------------------------------------- Megatron's name
+
+
+class BalancedCPScheduler:
+    """`schedule_hybrid_cp` under Megatron-core's scheduler name and call shape, for code ported from Megatron.
+
+    ``BalancedCPScheduler(max_seq_len_per_rank, dp_cp_group).get_groups_and_subsamples(sample_id_seqlens, config)``
+    returns ``(groups, sample_id_groups)`` as Megatron's does: ``sample_id_groups[g][r]`` are the ids rank ``r`` runs
+    in group ``g`` and ``groups[g][r]`` their lengths. The placement is this module's (see [Note: how groups are
+    built]), not Megatron's greedy one: it keeps every invariant Megatron's consumers rely on (each id in one group,
+    aligned power-of-two blocks with identical lists, no idle rank) and balances better.
+
+    Args:
+        max_seq_len_per_rank: Most tokens of one sub-sample a rank may hold (Megatron's
+            ``max_seqlen_per_dp_cp_rank``).
+        dp_cp_group: The DP×CP process group whose size is the number of ranks; the default group if None. Its size
+            is read at the first schedule, not here.
+        cost: ``cost(length, cp)``; `quadratic_cost` (Megatron's ``L**2 / cp``) if None.
+        dp_cp_size: The number of ranks, for use without a process group (pure scheduling); overrides the group.
+
+    Raises:
+        ValueError: If ``max_seq_len_per_rank`` or ``dp_cp_size`` is not a positive int.
+    """
+
+    max_seq_len_per_rank: int
+    dp_cp_group: ProcessGroup | None
+    cost: CostFn
+    _dp_cp_size: int | None
+
+    def __init__(
+        self,
+        max_seq_len_per_rank: int,
+        dp_cp_group: ProcessGroup | None = None,
+        *,
+        cost: CostFn | None = None,
+        dp_cp_size: int | None = None,
+    ) -> None:
+        for name, value in (("max_seq_len_per_rank", max_seq_len_per_rank), ("dp_cp_size", dp_cp_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"BalancedCPScheduler: {name} must be a positive int, got {value!r}.")
+        self.max_seq_len_per_rank = max_seq_len_per_rank
+        self.dp_cp_group = dp_cp_group
+        self.cost = quadratic_cost if cost is None else cost
+        self._dp_cp_size = dp_cp_size
+
+    @property
+    def total_hdp_gpus(self) -> int:
+        """Ranks of the DP×CP domain (Megatron's attribute name)."""
+        if self._dp_cp_size is not None:
+            return self._dp_cp_size
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "BalancedCPScheduler: torch.distributed is not initialised, so the DP×CP size is unknown; call "
+                "init_process_group first, or pass dp_cp_size= to schedule without processes."
+            )
+        return dist.get_world_size(self.dp_cp_group)
+
+    def gpus_needed(self, seq_len: int) -> int:
+        """The power-of-two CP size a sub-sample of ``seq_len`` tokens needs (`cp_size_needed`; not capped)."""
+        return cp_size_needed(int(seq_len), self.max_seq_len_per_rank)
+
+    def get_total_workload(self, seq_len: int, cp_size: int | None = None) -> float:
+        """Per-rank cost of ``seq_len`` tokens on ``cp_size`` ranks (`gpus_needed` if None)."""
+        return float(self.cost(int(seq_len), self.gpus_needed(seq_len) if cp_size is None else cp_size))
+
+    def get_groups_and_subsamples(
+        self, sample_id_seqlens: Sequence[tuple[int, int]], config: Any = None
+    ) -> tuple[list[list[list[int]]], HybridCPSchedule]:
+        """Schedules ``(id, length)`` pairs; returns ``(groups, sample_id_groups)``.
+
+        Args:
+            sample_id_seqlens: ``(global id, length)`` of every sub-sample (ids need not be contiguous; each once).
+            config: Accepted for Megatron's call shape and not read (the settings are the constructor's).
+
+        Returns:
+            ``groups[g][r]``: the lengths of ``sample_id_groups[g][r]``, the ids rank ``r`` runs in group ``g`` in
+            execution order.
+
+        Raises:
+            ValueError: If an id repeats, or as `schedule_hybrid_cp` does.
+        """
+        ids = [int(gid) for gid, _ in sample_id_seqlens]
+        lengths = [int(length) for _, length in sample_id_seqlens]
+        if len(set(ids)) != len(ids):
+            repeated = sorted({gid for gid in ids if ids.count(gid) > 1})
+            raise ValueError(f"BalancedCPScheduler: sub-sample ids {repeated[:8]} appear more than once.")
+        by_index = schedule_hybrid_cp(lengths, self.total_hdp_gpus, self.max_seq_len_per_rank, self.cost)
+        sample_id_groups = [[[ids[i] for i in ranks] for ranks in group] for group in by_index]
+        groups = [[[lengths[i] for i in ranks] for ranks in group] for group in by_index]
+        return groups, sample_id_groups
 
 
 # ------------------------------------------------------------------------------------------------------ stats
