@@ -75,6 +75,19 @@ def _check_partition(partition: str) -> None:
         layer_weights(partition, [], [])
 
 
+def _pipe_modules(root: torch.nn.Module) -> list[PipelineModule]:
+    """The ``PipelineModule``s under ``root``, found without ``modules()`` (which would build an unclaimed one)."""
+    found: list[PipelineModule] = []
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if isinstance(module, PipelineModule):
+            found.append(module)
+            continue
+        stack.extend(m for m in module._modules.values() if m is not None)
+    return found
+
+
 class PipelinePrecision(Precision):
     """Full precision (``"32-true"``), bf16 autocast (``"bf16-mixed"``) or fp16 autocast with dynamic loss scaling
     (``"16-mixed"``) around the pipeline, with the engine's gradient reduction, global clipping and ZeRO-1 around the
@@ -225,8 +238,14 @@ class PipelineStrategy(LaunchedParallelStrategy):
     precision_type = PipelinePrecision
 
     # ---------------------------------------------------------------- setup
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        for pipe in _pipe_modules(model):
+            pipe.claim()  # before anything collects parameters: only this rank's stages get built
+
     def _pipe_module(self) -> PipelineModule:
-        found = [m for m in self.lightning_module.modules() if isinstance(m, PipelineModule)] if self.lightning_module else []
+        found = _pipe_modules(self.lightning_module) if self.lightning_module is not None else []
         if len(found) != 1:
             raise ValueError(
                 f"zstack_pipeline needs the LightningModule to hold exactly one zlightning.pipe.PipelineModule, found "

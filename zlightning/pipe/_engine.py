@@ -197,6 +197,7 @@ class PipelineEngine:
             raise TypeError(f"PipelineEngine needs a zlightning.pipe.PipelineModule, got {type(module).__name__}")
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"PipelineEngine(config=...) expects a PipelineConfig, got {type(config).__name__}")
+        module.claim()  # this engine builds the rank's stages (see [Note: building without a pipeline])
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         tp = config.tensor_parallel_size
@@ -233,6 +234,8 @@ class PipelineEngine:
         self.p2p = P2P(self.device)
         self._sync_replicas()
         self.optimizer = optimizer(module.parameters()) if is_factory else optimizer
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            _check_optimizer_params(self.optimizer, module)
         params = [p for p in module.parameters() if p.requires_grad]
         self.zero1: Zero1Sharding | None = None
         if config.zero_stage == 1:
@@ -250,6 +253,9 @@ class PipelineEngine:
         self._stash: dict[nn.Parameter, torch.Tensor] = {}
         self.timings: list[tuple[str, float, float]] | None = None
         """Set to a list to record ``(action, start, end)`` of every compute action of the following runs."""
+        self.data_iterator: Iterator[Any] | None = None
+        """What ``train_batch()`` pulls from when called without ``data_iter`` (DeepSpeed's ``data_iterator``)."""
+        self._eval_schedules: dict[int, Schedule] = {config.micro_batches: self.eval_schedule}
         module.runner = self
 
     # ------------------------------------------------------------------------------------------ setup
@@ -336,8 +342,8 @@ class PipelineEngine:
                 loss /= self.grid.dp
         return loss
 
-    def _microbatches(self, batch: Any, data_iter: Iterator[Any] | None) -> tuple[list[Any], list[Any]]:
-        m = self.config.micro_batches
+    def _microbatches(self, batch: Any, data_iter: Iterator[Any] | None, m: int | None = None) -> tuple[list[Any], list[Any]]:
+        m = self.config.micro_batches if m is None else m
         if (batch is None) == (data_iter is None):
             raise ValueError("pass exactly one of data_iter= (yields micro-batches) or batch= (split into micro-batches)")
         if data_iter is not None:
@@ -383,14 +389,41 @@ class PipelineEngine:
             return self.forward_backward(batch)
         return self.eval_batch(batch=batch)
 
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator ``train_batch()`` pulls ``(inputs, labels)`` items from when called without one
+        (DeepSpeed's ``set_dataiterator``)."""
+        self.data_iterator = iterator
+
+    def set_dataloader(self, loader: Iterable[Any]) -> None:
+        """``set_dataiterator(iter(loader))`` (DeepSpeed's ``set_dataloader``). The iterator is not restarted when
+        the loader is exhausted: wrap the loader in one that repeats for endless training."""
+        self.set_dataiterator(iter(loader))
+
     def train_batch(self, data_iter: Iterator[Any] | None = None, *, batch: Any = None) -> torch.Tensor:
         """One optimizer step on ``micro_batches`` micro-batches; see [Note: one batch]. Returns the mean loss.
 
+        As DeepSpeed's ``train_batch(data_iter=None)``: ``data_iter`` yields ``(inputs, labels)`` items and becomes
+        the iterator later calls without an argument pull from (``set_dataiterator``); exactly ``micro_batches``
+        items are pulled per call. ``batch=(inputs, labels)`` instead splits one batch into the micro-batches.
+
         Raises:
             RuntimeError: no optimizer, or grad mode is off.
+            ValueError: neither ``data_iter``/``batch`` nor an iterator set earlier, or the iterator runs out.
         """
         if self.optimizer is None:
             raise RuntimeError("PipelineEngine.train_batch needs an optimizer; pass optimizer= to PipelineEngine")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled; use eval_batch() instead")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        elif batch is None:
+            if self.data_iterator is None:
+                raise ValueError(
+                    "train_batch() was called without data_iter and no iterator is set: pass "
+                    "train_batch(data_iter=iter(loader)) once (later calls reuse it), call "
+                    "engine.set_dataiterator(iter(loader)), or pass batch=(inputs, labels)"
+                )
+            data_iter = self.data_iterator
         in_flight: list[Any] = []
         loss = self.forward_backward(batch, data_iter, _deferred=in_flight)
         self.reduce_gradients()
@@ -406,21 +439,77 @@ class PipelineEngine:
         return loss
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator[Any] | None = None, *, batch: Any = None, return_logits: bool = False) -> Any:
-        """Mean loss over ``micro_batches`` micro-batches with the inference schedule (no gradients). With
-        ``return_logits`` returns ``(loss, outputs)``; the outputs (concatenated along dim 0) only on the last stage,
-        None elsewhere."""
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: Literal["avg"] | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+        *,
+        batch: Any = None,
+    ) -> Any:
+        """Forward only, with the inference schedule and no gradients (DeepSpeed's ``eval_batch``, same arguments
+        and meanings).
+
+        Pulls ``num_micro_batches`` (default ``micro_batches``) items ``(inputs, labels)`` from ``data_iter`` (or
+        splits ``batch=(inputs, labels)`` into that many). The last stage computes, per micro-batch, the loss
+        (``compute_loss=True``) or keeps the model's outputs (``compute_loss=False``). ``reduce_output="avg"``
+        averages them over the micro-batches and then over the data-parallel replicas; ``None`` keeps the list of
+        per-micro-batch values (not reduced over replicas). With ``compute_loss`` and ``bcast_loss`` the result is
+        broadcast from the last stage, so every stage returns it; otherwise only the last stage has it and the
+        others return None. The training iterator (``set_dataiterator``) is left untouched.
+
+        Returns:
+            The reduced value (or list); with ``return_logits``, ``(value, outputs)`` where ``outputs`` are the last
+            stage's outputs of every micro-batch concatenated along dim 0 (None on the other stages). DeepSpeed
+            returns the outputs of the last micro-batch only (it overwrites them per micro-batch); the two agree for
+            ``num_micro_batches=1``.
+
+        Raises:
+            ValueError: an unknown ``reduce_output``, ``num_micro_batches < 1``, or the iterator runs out.
+        """
+        if reduce_output is not None and reduce_output != "avg":
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): supported reductions are 'avg' and None")
+        m = self.config.micro_batches if num_micro_batches is None else num_micro_batches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"eval_batch(num_micro_batches={num_micro_batches!r}) must be None or an int >= 1")
         was_training = self.module.training
         self.module.eval()
         try:
-            inputs, labels = self._microbatches(batch, data_iter)
-            run = self._run(self.eval_schedule, inputs, labels, keep=return_logits, with_loss=True)
-            loss = self._mean_loss(run)
+            inputs, labels = self._microbatches(batch, data_iter, m)
+            keep = return_logits or not compute_loss
+            run = self._run(self._eval_schedule(m), inputs, labels, keep=keep, with_loss=compute_loss)
         finally:
             self.module.train(was_training)
+        value = self._eval_output(run, m, compute_loss, reduce_output, bcast_loss)
         if not return_logits:
-            return loss
-        return loss, (_concat([run.outputs[m] for m in sorted(run.outputs)]) if self.is_last_stage else None)
+            return value
+        return value, (_concat([run.outputs[i] for i in sorted(run.outputs)]) if self.is_last_stage else None)
+
+    def _eval_schedule(self, m: int) -> Schedule:
+        if m not in self._eval_schedules:
+            self._eval_schedules[m] = build_schedule("inference", self.grid.pp, m, self.config.chunks_per_rank)
+        return self._eval_schedules[m]
+
+    def _eval_output(self, run: BatchRun, m: int, compute_loss: bool, reduce: str | None, bcast: bool) -> Any:
+        """``eval_batch``'s value: per-micro-batch losses or outputs of the last stage, reduced and broadcast."""
+        if compute_loss and reduce == "avg" and bcast:
+            return self._mean_loss(run)  # the training path's reduction: mean, broadcast, replica average
+        values: Any = None
+        if self.is_last_stage:
+            values = list(run.losses) if compute_loss else [run.outputs[i] for i in sorted(run.outputs)]
+            if reduce == "avg":
+                values = _average(values, self.groups.data, self.grid.dp)
+        if compute_loss and bcast and dist.is_initialized() and self.grid.pp > 1:
+            shape = () if reduce == "avg" else (m,)
+            out = torch.stack(values).float() if reduce != "avg" and values is not None else values
+            buf = out.float().reshape(shape) if out is not None else torch.zeros(shape, device=self.device)
+            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank, self.grid.tp_rank)
+            dist.broadcast(buf, src=src, group=self.groups.pipe)
+            values = buf if reduce == "avg" else list(buf.unbind())
+        return values
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -532,6 +621,29 @@ def _all_or_none(make: Callable[[], frozenset[int]], device: torch.device) -> fr
             f"tensor parallelism could not be applied on rank {int(flag.item())} (see its error); every rank stops"
         )
     return out
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, module: PipelineModule) -> None:
+    mine = {id(p) for p in module.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
+    if foreign:
+        raise ValueError(
+            f"PipelineEngine: the optimizer holds {foreign} tensors that are not parameters of this rank's stage(s) "
+            "(an optimizer created before the engine built the stage sees other tensors); pass a factory instead, "
+            "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=...)"
+        )
+
+
+def _average(values: list[Any], group: dist.ProcessGroup | None, dp: int) -> Any:
+    """Mean over the micro-batches (tensors, or tuples/lists/dicts of them: element-wise), then over replicas."""
+    tensors = [flatten(v)[0] for v in values]
+    skeleton = flatten(values[0])[1]
+    mean = [torch.stack([t[i].float() for t in tensors]).mean(0).to(tensors[0][i].dtype) for i in range(len(tensors[0]))]
+    if group is not None and dp > 1:
+        for t in mean:
+            dist.all_reduce(t, group=group)
+            t /= dp
+    return unflatten(mean, skeleton)
 
 
 def _to(obj: Any, device: torch.device | str) -> Any:

@@ -8,6 +8,17 @@ requested stages, and parameter counting builds each ``LayerSpec`` on the ``meta
 ``PipelineEngine`` (or ``Trainer(strategy="zstack_pipeline")``) calls ``build``; a one-stage ``build()`` gives the
 whole model in one process, which is what a single-process reference run uses.
 
+[Note: building without a pipeline]
+A ``PipelineModule`` that no pipeline engine drives (a Lightning strategy other than ``zstack_pipeline``, no strategy,
+or plain PyTorch) builds its single stage itself the first time something needs its layers: collecting its
+parameters or submodules (``parameters()``, ``modules()``, also through a parent such as the LightningModule),
+moving it (``.to()``, ``.cuda()``), ``forward``, ``state_dict``/``load_state_dict``. Otherwise an optimizer created in
+``configure_optimizers`` would get an empty parameter list. A pipeline engine, and the ``zstack_pipeline`` strategy
+as soon as it sees the model, *claim* the module first (``claim()``), so it is never built whole on a rank that
+should hold one stage. Should it have been built whole before it was claimed (its parameters counted before the
+engine was created, say), the first ``build`` for a real split discards that copy and builds the split; with
+``seed_layers`` the weights are the same.
+
 [Note: seeding layers]
 With ``seed_layers=True`` (the default here, DeepSpeed's default is False) layer ``i`` is built under
 ``torch.manual_seed(base_seed + i)`` inside a forked RNG, so its initial weights do not depend on which rank builds
@@ -93,6 +104,9 @@ class PipelineModule(nn.Module):
         self.local_stages: tuple[int, ...] = ()
         self._funcs: dict[int, Callable[[Any], Any]] = {}
         self.runner: Any = None  # the PipelineEngine driving this module (batch_loss/predict go through it)
+        self._claimed = False  # a pipeline engine or strategy builds it; see [Note: building without a pipeline]
+        self._auto_built = False  # built whole by _ensure_built (discarded by a later build for a real split)
+        self._building = False
 
     @staticmethod
     def _check_args(layers: Sequence[Any], num_stages: int | None, method: str, interval: int) -> None:
@@ -158,6 +172,41 @@ class PipelineModule(nn.Module):
     def is_built(self) -> bool:
         return self.bounds is not None
 
+    def claim(self) -> None:
+        """Marks the module as driven by a pipeline engine, which will ``build`` the stages of its rank: it no longer
+        builds its single stage on first use (see [Note: building without a pipeline])."""
+        self._claimed = True
+
+    def _ensure_built(self) -> None:
+        """Builds the single stage of an unclaimed, unbuilt module (see [Note: building without a pipeline])."""
+        if getattr(self, "bounds", 0) is None and not getattr(self, "_claimed", True) and not self._building:
+            self.build()
+            self._auto_built = True
+
+    def _discard_auto_build(self) -> None:
+        for idx in list(self._funcs):
+            if str(idx) in self._modules:
+                del self._modules[str(idx)]
+        self._funcs.clear()
+        self.tied_modules = nn.ModuleDict()
+        self.bounds, self.local_stages, self._auto_built = None, (), False
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True) -> Any:
+        self._ensure_built()  # parameters(), modules(), and the same calls on any parent module come through here
+        return super().named_modules(memo, prefix, remove_duplicate)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PipelineModule:
+        self._ensure_built()  # .to(), .cuda(), .double(), ...
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self._ensure_built()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
+        self._ensure_built()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def build(
         self, stages: Sequence[int] = (0,), total_stages: int = 1, device: torch.device | str | None = None
     ) -> PipelineModule:
@@ -168,6 +217,8 @@ class PipelineModule(nn.Module):
             ValueError: the layers cannot be split into ``total_stages``.
         """
         bounds = self.partition(total_stages)
+        if self.bounds is not None and self._auto_built and (self.bounds != bounds or tuple(stages) != self.local_stages):
+            self._discard_auto_build()  # built whole before a pipeline claimed it; see [Note: building without a pipeline]
         if self.bounds is not None:
             if self.bounds != bounds or tuple(stages) != self.local_stages:
                 raise RuntimeError(
@@ -176,9 +227,13 @@ class PipelineModule(nn.Module):
                 )
             return self
         self.bounds, self.local_stages = bounds, tuple(stages)
-        for s in stages:
-            for idx in range(bounds[s], bounds[s + 1]):
-                self._build_layer(idx, device)
+        self._building = True
+        try:
+            for s in stages:
+                for idx in range(bounds[s], bounds[s + 1]):
+                    self._build_layer(idx, device)
+        finally:
+            self._building = False
         return self
 
     def _seeded(self, idx: int, make: Callable[[], nn.Module]) -> nn.Module:
@@ -269,15 +324,17 @@ class PipelineModule(nn.Module):
         return x
 
     def forward(self, inputs: Any) -> Any:
-        """Applies all layers of a module built as one stage (``build()``); pipelined runs use the engine.
+        """Applies all layers of a module built as one stage (built here on first use unless a pipeline engine
+        claimed it); pipelined runs use the engine.
 
         Raises:
-            RuntimeError: not built, or this rank holds only part of the model.
+            RuntimeError: claimed by a pipeline engine but not built, or this rank holds only part of the model.
         """
+        self._ensure_built()
         if self.bounds is None:
             raise RuntimeError(
-                "PipelineModule is not built: wrap it in zlightning.pipe.PipelineEngine, train it with "
-                "Trainer(strategy='zstack_pipeline'), or call .build() for a one-process model"
+                "PipelineModule is claimed by a pipeline engine but not built yet: train it through "
+                "zlightning.pipe.PipelineEngine or Trainer(strategy='zstack_pipeline')"
             )
         if len(self.bounds) != 2:
             raise RuntimeError(
