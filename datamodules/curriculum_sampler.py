@@ -29,8 +29,11 @@ integers. The global batch is then shuffled with the sampler's generator.
 DeepSpeed draws on global rank 0 and broadcasts, which fails when global rank 0 is not in a rank's DP group (TP>1)
 and needs a shared filesystem for clusters. Here every rank computes the same global batch from the same seed,
 config and index files (everything is deterministic: numpy ``PCG64`` generators seeded from ``seed``), and takes its
-slice. There is no collective at all; ``data_parallel_group`` and ``global_rank`` are accepted for API compatibility.
-The global RNGs (``random``, ``numpy.random``, ``torch``) are never read or written.
+slice. There is no collective at all. ``data_parallel_group``, when given, is what DeepSpeed uses it for besides the
+broadcast: its size is the number of slices (`get_start_end_idx`), and it is checked against ``data_parallel_size``
+and ``data_parallel_rank`` at construction (local queries, no communication), so a sampler built with a group it does
+not match fails at once instead of handing ranks overlapping slices. ``global_rank`` is accepted for API
+compatibility. The global RNGs (``random``, ``numpy.random``, ``torch``) are never read or written.
 
 [Note: state and resume]
 State: ``curriculum_step``, difficulties, cluster names and creation difficulties, per-cluster (pass, position),
@@ -47,7 +50,17 @@ by `deepspeed_state_dict`: see [Note: DeepSpeed checkpoints] in ``curriculum_ds_
 ``consumed_samples`` counts global samples (``micro_batch_size * dp_size`` per micro-batch) *including* the one just
 yielded (DeepSpeed lags one micro-batch). With curriculum, iteration stops once ``N * num_epochs`` samples are
 consumed: ``floor(total / m)`` micro-batches with ``drop_last`` (DeepSpeed yields one more, its ``<=`` quirk), the
-last one partial without it. ``len()`` is that per-rank micro-batch count (DeepSpeed returns a sample count).
+last one partial without it. ``len()`` is that per-rank micro-batch count, what a ``DataLoader`` built with
+``batch_sampler=`` reports as its length and Lightning counts an epoch by; DeepSpeed's ``len()`` returns
+``total_samples`` (a sample count, which its own loader never uses as a length), kept here as the attribute
+`DeepSpeedDataSampler.total_samples`.
+
+[Note: DeepSpeed's helper functions]
+`get_start_end_idx`, `get_sample_based_on_metric_value` and `get_sample_based_on_metric_percentile` are module-level
+functions with DeepSpeed's parameters and return values (``None`` where DeepSpeed returns ``None``: no sample in the
+range), taking explicitly what DeepSpeed's methods read from the sampler (the rank and group size, the index files);
+the sampler's methods of the same names and DeepSpeed signatures call them. The sampler's own cluster computation
+uses the prefix arithmetic of `_MetricIndex`, which gives the same sets without copying rows.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -68,7 +82,12 @@ from .curriculum_ds_state import DEEPSPEED_STATE_KEYS, deepspeed_state, is_deeps
 from .curriculum_index import IndexFile, find_fit_int_dtype, write_index_file
 from .curriculum_schedule import CurriculumScheduler, CustomDifficultyFn
 
-__all__ = ["DeepSpeedDataSampler"]
+__all__ = [
+    "DeepSpeedDataSampler",
+    "get_sample_based_on_metric_percentile",
+    "get_sample_based_on_metric_value",
+    "get_start_end_idx",
+]
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +133,112 @@ class _Mark:
     epoch_position: int
 
 
+IndexSource = IndexFile | str | os.PathLike
+"""An index file (`IndexFile`) or its path prefix (without ``.bin``/``.idx``)."""
+
+
+def get_start_end_idx(batch_len: int, data_parallel_rank: int, data_parallel_size: int) -> tuple[int, int]:
+    """DeepSpeed's slice of a micro-batch for one data-parallel rank.
+
+    ``start(r) = round(r * batch_len / data_parallel_size)`` (Python's round): the slices are contiguous, disjoint
+    and cover the micro-batch; for a partial one their sizes differ by at most one.
+
+    Args:
+        batch_len: Samples in the (global) micro-batch.
+        data_parallel_rank: This rank ``r``.
+        data_parallel_size: Ranks sharing the micro-batch (DeepSpeed: ``data_parallel_group.size()``).
+
+    Returns:
+        ``(start_idx, end_idx)``: this rank's ``[start, end)``.
+
+    Raises:
+        ValueError: If ``data_parallel_size < 1`` or the rank is outside ``[0, data_parallel_size)``.
+    """
+    if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(
+            f"get_start_end_idx: data_parallel_rank={data_parallel_rank} must be in [0, data_parallel_size="
+            f"{data_parallel_size})."
+        )
+    return (round(data_parallel_rank * batch_len / data_parallel_size),
+            round((data_parallel_rank + 1) * batch_len / data_parallel_size))
+
+
+def get_sample_based_on_metric_value(
+    index_to_sample: IndexSource, index_to_metric: IndexSource, value_start: float, value_end: float
+) -> np.ndarray | None:
+    """Sample ids whose metric value ``v`` has ``value_start < v <= value_end``, as DeepSpeed selects them.
+
+    Args:
+        index_to_sample: The metric's ``*_index_to_sample`` file: row ``i`` holds the samples of the ``i``-th value.
+        index_to_metric: The metric's ``*_index_to_metric`` file: row ``i`` holds that value.
+        value_start: Exclusive lower bound (``-inf`` for "from the start").
+        value_end: Inclusive upper bound.
+
+    Returns:
+        The matching rows' samples concatenated in row order (a copy, in the file's dtype), or None if no row
+        matches (as DeepSpeed).
+
+    Raises:
+        ValueError: If the files do not have one value per sample row.
+    """
+    samples, metric = _as_index(index_to_sample), _as_index(index_to_metric)
+    if len(metric) != len(samples) or metric.values.size != len(metric):
+        raise ValueError(
+            f"get_sample_based_on_metric_value: index_to_metric has {len(metric)} rows ({metric.values.size} values) "
+            f"but index_to_sample has {len(samples)} rows; they must come from the same analysis (one value a row)."
+        )
+    values = np.asarray(metric.values)
+    rows = np.flatnonzero((values > value_start) & (values <= value_end))
+    if rows.size == 0:
+        return None
+    starts = samples.row_starts
+    if rows[-1] - rows[0] + 1 == rows.size:  # contiguous (always, for an analyzer's strictly increasing values)
+        return np.array(samples.values[starts[rows[0]] : starts[rows[-1] + 1]])
+    return np.concatenate([samples.values[starts[r] : starts[r + 1]] for r in rows])
+
+
+def get_sample_based_on_metric_percentile(
+    index_to_sample: IndexSource, max_percentile: int, percentile_start: float, percentile_end: float
+) -> np.ndarray | None:
+    """Sample ids in percentile units ``[percentile_start, percentile_end)`` of the ascending-metric order.
+
+    With ``N`` samples and ``k = N // max_percentile``, the range is positions ``[k * start, k * end)`` of the
+    concatenated rows, or to the end when ``percentile_end == max_percentile`` (DeepSpeed's arithmetic).
+
+    Args:
+        index_to_sample: The metric's ``*_index_to_sample`` file.
+        max_percentile: The metric's ``max_difficulty``.
+        percentile_start: Start of the range, in percentile units.
+        percentile_end: End of the range, in percentile units.
+
+    Returns:
+        The samples in the range (a copy, in the file's dtype), or None if the range holds no sample (DeepSpeed
+        returns None when the range starts past the data, and may return an empty array for an empty range that
+        starts inside it; None here in both cases).
+    """
+    samples = _as_index(index_to_sample)
+    total = int(samples.values.size)
+    per = total // max_percentile
+    start = int(per * percentile_start)
+    end = total if percentile_end == max_percentile else min(total, int(per * percentile_end))
+    if start >= end:
+        return None
+    return np.array(samples.values[start:end])
+
+
+def _as_index(source: IndexSource) -> IndexFile:
+    return source if isinstance(source, IndexFile) else IndexFile(source)
+
+
 class _MetricIndex:
     """Memory-mapped view of one metric's ``index_to_sample`` (and ``index_to_metric``) files."""
 
     def __init__(self, cfg: CurriculumMetricConfig) -> None:
         self.samples = IndexFile(cfg.index_to_sample_path)  # type: ignore[arg-type]
+        self.metric: IndexFile | None = None
         self.values: np.ndarray | None = None
         if cfg.difficulty_type == "value":
-            metric = IndexFile(cfg.index_to_metric_path)  # type: ignore[arg-type]
+            self.metric = metric = IndexFile(cfg.index_to_metric_path)  # type: ignore[arg-type]
             if len(metric) != len(self.samples):
                 raise ValueError(
                     f"DeepSpeedDataSampler: {cfg.index_to_metric_path} has {len(metric)} rows but "
@@ -159,13 +276,17 @@ class DeepSpeedDataSampler:
         micro_batch_size: Samples per micro-batch per rank (b).
         data_parallel_rank: This rank's data-parallel index r.
         data_parallel_size: Number of data-parallel ranks D.
-        data_parallel_group: Unused (see [Note: no broadcast]).
+        data_parallel_group: The data-parallel process group, or None. When given, its size must equal
+            ``data_parallel_size`` and this process's rank in it ``data_parallel_rank``; its size is the number of
+            slices, as in DeepSpeed (see [Note: no broadcast]).
         gradient_accumulation_steps: Micro-batches per optimizer step A.
         global_rank: Unused (see [Note: no broadcast]).
         drop_last: Drop a final partial micro-batch.
 
     Raises:
-        ValueError: For a non-positive size, ``r`` outside ``[0, D)``, or an invalid config.
+        ValueError: For a non-positive size, ``r`` outside ``[0, D)``, an invalid config, or a
+            ``data_parallel_group`` whose size or rank differs from ``data_parallel_size``/``data_parallel_rank``.
+        TypeError: If ``data_parallel_group`` has no ``size()``/``rank()`` (not a process group).
     """
 
     config: DataEfficiencyConfig
@@ -174,6 +295,7 @@ class DeepSpeedDataSampler:
     micro_batch_size: int
     data_parallel_rank: int
     data_parallel_size: int
+    data_parallel_group: Any
     gradient_accumulation_steps: int
     micro_batch_times_data_parallel_size: int
     global_batch_size: int
@@ -213,6 +335,8 @@ class DeepSpeedDataSampler:
                 f"DeepSpeedDataSampler: data_parallel_rank must be in [0, data_parallel_size={data_parallel_size}), "
                 f"got {data_parallel_rank!r}."
             )
+        _check_group(data_parallel_group, data_parallel_rank, data_parallel_size)
+        self.data_parallel_group = data_parallel_group
         self.one_epoch_total_samples = one_epoch_total_samples
         self.total_samples = one_epoch_total_samples * self.config.data_sampling.num_epochs
         self.micro_batch_size = micro_batch_size
@@ -256,7 +380,9 @@ class DeepSpeedDataSampler:
         return self._batch[self._batch_pos :].tolist()
 
     def __len__(self) -> int:
-        """Micro-batches one full iteration yields on this rank (see [Note: counting and termination])."""
+        """Micro-batches one full iteration yields on this rank: the length of a ``DataLoader`` over this batch
+        sampler. DeepSpeed's ``len()`` is a sample count, ``total_samples`` here (see [Note: counting and
+        termination])."""
         total = self.total_samples if self.curriculum_enabled else self.one_epoch_total_samples
         m = self.micro_batch_times_data_parallel_size
         return total // m if self.drop_last else math.ceil(total / m)
@@ -304,14 +430,11 @@ class DeepSpeedDataSampler:
         return cur[start:end].tolist()
 
     def get_start_end_idx(self, batch_len: int | None = None) -> tuple[int, int]:
-        """This rank's ``[start, end)`` in a micro-batch of ``batch_len`` samples (default ``b * D``).
-
-        ``start(r) = round(r * batch_len / D)`` (Python's round): contiguous, disjoint, covering; sizes differ by at
-        most one for a partial micro-batch.
-        """
+        """This rank's ``[start, end)`` in a micro-batch of ``batch_len`` samples (default ``b * D``): the
+        module-level `get_start_end_idx` with this rank and the data-parallel group's size (``D``, checked equal)."""
         n = self.micro_batch_times_data_parallel_size if batch_len is None else batch_len
-        d, r = self.data_parallel_size, self.data_parallel_rank
-        return round(r * n / d), round((r + 1) * n / d)
+        size = self.data_parallel_size if self.data_parallel_group is None else self.data_parallel_group.size()
+        return get_start_end_idx(n, self.data_parallel_rank, size)
 
     def get_next_global_batch(self) -> None:
         """Advances the curriculum one step and draws the next global batch (``G`` samples). See [Note: drawing].
@@ -402,26 +525,37 @@ class DeepSpeedDataSampler:
             )
         return np.asarray(idx[lo_pos:hi_pos], dtype=np.int64)
 
-    def get_sample_based_on_metric_value(self, metric: str, value_start: float, value_end: float) -> np.ndarray:
-        """Sample ids with ``value_start < metric <= value_end``, in ascending-metric order (empty if none)."""
-        index = self._metric_index(metric)
-        return self._ordered(metric, index.prefix_upto_value(value_start), index.prefix_upto_value(value_end))
+    def get_sample_based_on_metric_value(self, metric: str, value_start: float, value_end: float) -> np.ndarray | None:
+        """Sample ids with ``value_start < metric <= value_end`` in ascending-metric order, or None if none: the
+        module-level `get_sample_based_on_metric_value` on the metric's index files.
 
-    def get_sample_based_on_metric_percentile(self, metric: str, start: float, end: float) -> np.ndarray:
-        """Sample ids in percentile units ``[start, end)`` of the ascending-metric order (empty if none)."""
+        Raises:
+            ValueError: If ``metric`` is not a value-based metric of the config.
+        """
         index = self._metric_index(metric)
+        if index.metric is None:
+            raise ValueError(
+                f"DeepSpeedDataSampler.get_sample_based_on_metric_value: metric {metric!r} is percentile-based (no "
+                f"index_to_metric file); use get_sample_based_on_metric_percentile."
+            )
+        return get_sample_based_on_metric_value(index.samples, index.metric, value_start, value_end)
+
+    def get_sample_based_on_metric_percentile(
+        self, metric: str, percentile_start: float, percentile_end: float
+    ) -> np.ndarray | None:
+        """Sample ids in percentile units ``[percentile_start, percentile_end)`` of the ascending-metric order, or
+        None if none: the module-level `get_sample_based_on_metric_percentile` on the metric's index file."""
         top = self.config.curriculum.curriculum_metrics[metric].schedule.max_difficulty
-        return self._ordered(metric, index.prefix_upto_percentile(start, top), index.prefix_upto_percentile(end, top))
+        return get_sample_based_on_metric_percentile(self._metric_index(metric).samples, top, percentile_start,
+                                                     percentile_end)
 
     def _eligible(self, name: str, difficulty: int) -> np.ndarray:
         m = self.config.curriculum.curriculum_metrics[name]
         mask = np.zeros(self.one_epoch_total_samples, dtype=bool)
         if m.clustering_type == "single_cluster":
             mask[:] = True
-        elif m.difficulty_type == "value":
-            mask[self.get_sample_based_on_metric_value(name, -math.inf, difficulty)] = True
         else:
-            mask[self.get_sample_based_on_metric_percentile(name, 0, difficulty)] = True
+            mask[self._ordered(name, 0, self._prefix(name, difficulty))] = True
         return mask
 
     def _cluster_name(self, difficulties: Mapping[str, int]) -> str:
@@ -707,6 +841,27 @@ class DeepSpeedDataSampler:
     def difficulties_at(self, micro_batches: int) -> dict[str, int]:
         """The difficulties in force for the ``micro_batches``-th micro-batch (1-based; see `state_dict`)."""
         return dict(self._find_mark(micro_batches).durable.current_difficulties)
+
+
+def _check_group(group: Any, rank: int, size: int) -> None:
+    """A given data-parallel group must match ``data_parallel_size``/``data_parallel_rank`` (local queries only)."""
+    if group is None:
+        return
+    if not callable(getattr(group, "size", None)) or not callable(getattr(group, "rank", None)):
+        raise TypeError(
+            f"DeepSpeedDataSampler: data_parallel_group must be a process group (with size() and rank()) or None, "
+            f"got {type(group).__name__}."
+        )
+    if group.size() != size:
+        raise ValueError(
+            f"DeepSpeedDataSampler: data_parallel_group has {group.size()} ranks but data_parallel_size={size}; pass "
+            f"the group of this rank's data-parallel peers, or its size as data_parallel_size."
+        )
+    if group.rank() != rank:
+        raise ValueError(
+            f"DeepSpeedDataSampler: this process is rank {group.rank()} of data_parallel_group but "
+            f"data_parallel_rank={rank}; pass its rank in the group (a rank outside the group reports -1)."
+        )
 
 
 def _plain(obj: Any) -> Any:
