@@ -32,6 +32,15 @@ Measured in one run on this VM (1 GiB, depth 32, GB/s write/read): io_uring 3.28
 5.12/2.48 on a huge-page one; DeepSpeed's aio 3.31/1.28 on its mlock'ed buffer. Any caller's buffer works; these
 are just faster.
 
+[Note: a request is DeepSpeed's return code]
+DeepSpeed's ``async_pread``/``async_pwrite`` return an int: 0 once the request is scheduled (-1 when it cannot be),
+and its swap code checks it (``assert handle.async_pread(buf, path, 0) == 0``, ``assert 0 == r``). Here they return
+the `IORequest` handle, and the handle behaves as that int: it equals 0 (so ``== 0`` holds and ``!= -1`` holds), is
+falsy like 0, and converts to 0 (``int(req)``, ``operator.index``); it still offers `IORequest.done` and its fields.
+A request that cannot be scheduled raises (`AIOError`, ``ValueError``) instead of returning -1, so ported code that
+asserted the 0 keeps working and gets a message instead of a failed assert. ``sync_*`` and ``wait`` return DeepSpeed's
+counts (requests completed).
+
 [Note: errors]
 Opening the file happens at submit, so a missing file or a permission problem raises there. Errors of the I/O
 itself (ENOSPC, EIO, a short read past the end of the file) are recorded per block and raised by `wait` (or the
@@ -136,7 +145,10 @@ class AIOError(OSError):
 
 
 class IORequest:
-    """Handle of one submitted read or write (returned by ``async_pread``/``async_pwrite``)."""
+    """Handle of one submitted read or write (returned by ``async_pread``/``async_pwrite``).
+
+    It also stands for DeepSpeed's return code of those calls, 0: see [Note: a request is DeepSpeed's return code].
+    """
 
     op: Op
     filename: str
@@ -183,6 +195,24 @@ class IORequest:
             os.close(fd)
         self._fds = []
         self._event.set()
+
+    # DeepSpeed's return code: see [Note: a request is DeepSpeed's return code].
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, int):
+            return other == 0
+        return other is self
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __int__(self) -> int:
+        return 0
+
+    def __index__(self) -> int:
+        return 0
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
