@@ -1,4 +1,10 @@
-"""``module_inject``: automatic tensor parallelism for training plus kernel injection, in place."""
+"""``module_inject``: automatic tensor parallelism for training plus kernel injection, in place.
+
+[Note: tensor parallelism alone is silent about kernels]
+With ``inject_kernels=False`` and ``tp_size > 1`` only what sharding needs is rebuilt: an attention module whose
+projections are sharded must run on `FusedSelfAttention` to split its heads (or the call fails), every other
+attention, MLP and norm is left as it is, and nothing is said about fusing them.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from zlightning.inject._layers import (
     probe_equal,
 )
 from zlightning.inject._mlp import FusedMLP, fused_mlp_for
+from zlightning.inject._norms import fused_norm_for, norm_candidates
+from zlightning.inject._norms import probe_input as _probe_input
 from zlightning.inject._policy import InjectError, InjectPolicy, LinearStyle
 
 __all__ = ["TPGroups", "apply_tensor_parallel", "build_tp_groups", "module_inject", "tp_full_state"]
@@ -28,7 +36,7 @@ __all__ = ["TPGroups", "apply_tensor_parallel", "build_tp_groups", "module_injec
 _SPLIT_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("wq", "wk", "wv"))
 _OUT_NAMES = ("proj", "o_proj", "out_proj", "c_proj", "dense", "wo", "out")
 _RESID_DROP = ("resid_drop", "resid_dropout", "proj_drop", "dropout")
-_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
 
 
 @dataclass(frozen=True)
@@ -166,11 +174,6 @@ def apply_tensor_parallel(model: nn.Module, tp_size: int, policy: InjectPolicy |
     return groups
 
 
-def _probe_input(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device="cpu").manual_seed(1234)  # never touches the global RNG
-    return torch.randn(2, 5, width, generator=gen).to(device=device, dtype=dtype)
-
-
 def _attention_parts(module: nn.Module) -> tuple[tuple[str, ...], str, int] | None:
     heads = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
     children = dict(module.named_children())
@@ -204,12 +207,15 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
                 replacement = cand
                 break
         sharded = any(styles.get(f"{name}.{n}") not in (None, LinearStyle.REPLICATE) for n in (*qkv, out))
+        if not policy.inject_kernels and not sharded:
+            continue  # See [Note: tensor parallelism alone is silent about kernels].
         if replacement is None:
             if required and sharded:
                 raise InjectError(f"{name} ({type(module).__name__}): attention could not be rebuilt on "
                                   "F.scaled_dot_product_attention (outputs differ on a probe), so its heads cannot be "
                                   "split; plan its projections as 'replicate' or set InjectPolicy.causal")
-            warnings.warn(f"module_inject: {name} kept as is (fused attention differs on the probe)", stacklevel=3)
+            if policy.inject_kernels:
+                warnings.warn(f"module_inject: {name} kept as is (fused attention differs on the probe)", stacklevel=3)
             continue
         _set_submodule(model, name, replacement)
 
@@ -231,23 +237,18 @@ def _inject_mlps(model: nn.Module, policy: InjectPolicy) -> None:
 
 
 def _inject_norms(model: nn.Module, policy: InjectPolicy) -> None:
-    for name, module in list(model.named_modules()):
-        cls = type(module).__name__.lower()
-        weight = getattr(module, "weight", None)
-        if module is model or isinstance(module, (nn.LayerNorm, nn.RMSNorm, FusedNorm)):
-            continue
-        if not isinstance(weight, nn.Parameter):
-            continue
-        if weight.dim() != 1 or not ("layernorm" in cls or "rmsnorm" in cls):
-            continue
-        eps = next((float(getattr(module, a)) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), 1e-5)
-        bias = getattr(module, "bias", None)
-        cand = FusedNorm("rms" if "rms" in cls else "layer", weight, bias if isinstance(bias, nn.Parameter) else None,
-                         eps, tuple(weight.shape))
-        if probe_equal(module, cand, _probe_input(weight.shape[0], weight.dtype, weight.device), policy.probe_atol):
-            _set_submodule(model, name, cand)
+    """Fuses every norm recognised by structure and behaviour; see [Note: what counts as a norm]."""
+    unfused = []
+    for name, module, weight, bias in norm_candidates(model):
+        cand = fused_norm_for(module, weight, bias, policy.probe_atol)
+        if cand is None:
+            unfused.append(f"{name} ({type(module).__name__})")
         else:
-            warnings.warn(f"module_inject: {name} ({type(module).__name__}) kept: fused norm differs", stacklevel=3)
+            _set_submodule(model, name, cand)
+    if unfused:
+        warnings.warn(f"module_inject: kept {len(unfused)} norm-shaped module(s) whose output matches neither "
+                      f"LayerNorm nor RMSNorm on a probe: {unfused}; injection_report(model).unfused lists them",
+                      stacklevel=3)
 
 
 def _shard_model(model: nn.Module, styles: dict[str, LinearStyle], group: dist.ProcessGroup) -> None:

@@ -4,7 +4,8 @@
 Priority: (1) the user's plan (first regex that fully matches the qualified name); (2) a Linear whose weight *is* an
 ``nn.Embedding``'s weight is a tied LM head; (3) inside a transformer block (a child of an ``nn.ModuleList``): a name
 rule (``o_proj``, ``down_proj``, ``proj`` ... are row-parallel; ``q_proj``, ``up_proj``, ``fc`` ... column), else the
-structure rule -- a Linear followed (in registration order) by a norm, or the block's last Linear, is row-parallel,
+structure rule -- a Linear followed (in registration order) by a norm (recognised by structure and behaviour, see
+[Note: what counts as a norm] in ``_norms.py``), or the block's last Linear, is row-parallel,
 every other one column-parallel; a column Linear with ``out == 3 * in`` named like a fused projection, or sitting in an
 attention module, is a fused QKV; (4) outside blocks: ``lm_head``/``head``/``embed_out``/``output`` is the LM head,
 everything else replicated.
@@ -18,6 +19,7 @@ import re
 
 from torch import nn
 
+from zlightning.inject._norms import hidden_sizes, is_norm
 from zlightning.inject._policy import InjectError, InjectPolicy, LinearStyle
 
 __all__ = ["HEAD_ATTRS", "classify_linears", "validate_tp"]
@@ -30,11 +32,6 @@ _QKV_NAMES = {"qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "query_key_value"}
 _HEAD_NAMES = {"lm_head", "head", "embed_out", "output"}
 
 
-def _is_norm(name: str, module: nn.Module) -> bool:
-    cls = type(module).__name__.lower()
-    return "norm" in cls or name.rsplit(".", 1)[-1] in {"ln_1", "ln_2", "ln_f", "layer_norm", "layernorm"}
-
-
 def _blocks(model: nn.Module) -> dict[str, nn.Module]:
     """Qualified name -> block, for every child of every ``nn.ModuleList``."""
     out: dict[str, nn.Module] = {}
@@ -45,8 +42,8 @@ def _blocks(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def _block_styles(prefix: str, block: nn.Module) -> dict[str, LinearStyle]:
-    markers = [(n, m) for n, m in block.named_modules() if n and (isinstance(m, nn.Linear) or _is_norm(n, m))]
+def _block_styles(prefix: str, block: nn.Module, hidden: set[int]) -> dict[str, LinearStyle]:
+    markers = [(n, m) for n, m in block.named_modules() if n and (isinstance(m, nn.Linear) or is_norm(m, hidden))]
     styles: dict[str, LinearStyle] = {}
     linears = [i for i, (_, m) in enumerate(markers) if isinstance(m, nn.Linear)]
     for i in linears:
@@ -83,8 +80,9 @@ def classify_linears(model: nn.Module, policy: InjectPolicy) -> dict[str, Linear
     """
     embed_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     auto: dict[str, LinearStyle] = {}
+    hidden = hidden_sizes(model)
     for prefix, block in _blocks(model).items():
-        auto.update(_block_styles(prefix, block))
+        auto.update(_block_styles(prefix, block, hidden))
     styles: dict[str, LinearStyle] = {}
     used: set[str] = set()
     modules = dict(model.named_modules())

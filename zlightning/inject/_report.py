@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -14,6 +14,7 @@ from zlightning.inject._layers import (
     RowParallelLinear,
 )
 from zlightning.inject._mlp import FusedMLP
+from zlightning.inject._norms import fused_norm_for, norm_candidates
 
 __all__ = ["InjectReport", "injection_report"]
 
@@ -27,6 +28,8 @@ class InjectReport:
     tensor_parallel: dict[str, str]
     """Sharded layers: ``"column"``, ``"qkv"``, ``"head"`` (gathered output), ``"row"``, ``"tied_head"`` or
     ``"embedding"`` (hidden-dim slices)."""
+    unfused: dict[str, str] = field(default_factory=dict)
+    """Norm-shaped modules left as they are, with why (see [Note: what counts as a norm] in ``_norms.py``)."""
 
     def counts(self) -> dict[str, int]:
         """How many modules of each kind (kernels and TP styles together)."""
@@ -37,6 +40,7 @@ class InjectReport:
 
     def __str__(self) -> str:
         rows = [f"{name}: {kind}" for name, kind in {**self.kernels, **self.tensor_parallel}.items()]
+        rows += [f"{name}: kept ({why})" for name, why in self.unfused.items()]
         summary = ", ".join(f"{k}={v}" for k, v in sorted(self.counts().items())) or "nothing injected"
         return "\n".join([f"module_inject: {summary}", *rows])
 
@@ -62,7 +66,8 @@ def _tp_kind(module: nn.Module) -> str | None:
 
 
 def injection_report(model: nn.Module) -> InjectReport:
-    """Lists every fused kernel and tensor-parallel layer in ``model`` (after ``module_inject``)."""
+    """Lists every fused kernel and tensor-parallel layer in ``model`` (after ``module_inject``), and the norm-shaped
+    modules left unfused (each probed again to say whether it computes a norm)."""
     kernels: dict[str, str] = {}
     tp: dict[str, str] = {}
     for name, module in model.named_modules():
@@ -70,4 +75,9 @@ def injection_report(model: nn.Module) -> InjectReport:
             kernels[name] = kind
         if (style := _tp_kind(module)) is not None:
             tp[name] = style
-    return InjectReport(kernels=kernels, tensor_parallel=tp)
+    unfused: dict[str, str] = {}
+    for name, module, weight, bias in norm_candidates(model):
+        fused = fused_norm_for(module, weight, bias, 1e-5)
+        unfused[name] = ("matches neither LayerNorm nor RMSNorm on the probes" if fused is None else
+                         f"computes {'RMSNorm' if fused.kind == 'rms' else 'LayerNorm'}; kernel injection was off")
+    return InjectReport(kernels=kernels, tensor_parallel=tp, unfused=unfused)
