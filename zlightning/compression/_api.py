@@ -13,12 +13,22 @@ Cleaning runs in three phases so that the cleaned model computes exactly what th
    (its row, bias and downstream columns are all masked or sliced together), so removal leaves the outputs unchanged
    up to float summation order.
 Techniques whose schedule has not started are dropped with a warning: they never affected the outputs.
+Split (tensor-parallel) layers are sliced shard by shard: see [Note: compression under tensor parallelism] in
+``_parallel.py``.
+
+[Note: DeepSpeed's call shapes]
+`init_compression` and `redundancy_clean` take DeepSpeed's parameters in DeepSpeed's order (``model,
+deepspeed_config, teacher_model=None, mpu=None`` and ``model, deepspeed_config, mpu=None``), so ported calls run
+unchanged, positional or by keyword; ``deepspeed_config`` may also be a typed `CompressionConfig`, and is optional for
+`redundancy_clean` (the model's techniques say what to clean; a given config only re-validates the selection, as
+DeepSpeed recomputes it).
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zlightning.compression._config import CompressionConfig, HeadPruningConfig, LayerReductionConfig
 from zlightning.compression._deepspeed import parse_compression_training
-from zlightning.compression._modules import COMPRESSED_TYPES, compressed_twin, plain_twin
+from zlightning.compression._modules import COMPRESSED_TYPES, CompressedParallelLinear, compressed_twin, plain_twin
+from zlightning.compression._parallel import SplitKind, TensorParallel, check_group_size, update_split_sizes
 from zlightning.compression._select import pair_related, select_modules
 from zlightning.compression._techniques import ActivationQuantizer, Mask, ScheduledTechnique, WeightQuantizer
 
@@ -62,9 +73,16 @@ def _parent(root: nn.Module, name: str) -> nn.Module:
     return root.get_submodule(name.rpartition(".")[0])
 
 
-def _num_heads(root: nn.Module, name: str, cfg: HeadPruningConfig, in_features: int) -> int:
+def _num_heads(root: nn.Module, name: str, cfg: HeadPruningConfig, in_features: int, tp: TensorParallel | None) -> int:
     parent = _parent(root, name)
-    heads = cfg.num_heads or next((getattr(parent, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(parent, a, None), int)), None)
+    local = getattr(parent, "num_attention_heads_per_partition", None)
+    split = tp is not None and tp.kind(root.get_submodule(name)) == "row"
+    if split and not cfg.num_heads and isinstance(local, int):
+        heads: int | None = local
+    else:
+        heads = cfg.num_heads or next((getattr(parent, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(parent, a, None), int)), None)
+        if heads is not None and split and tp is not None:
+            heads = tp.local_heads(heads, name)
     if heads is None:
         raise ValueError(
             f"head_pruning: cannot tell the head count of {name!r}: set head_pruning num_heads, or give its parent "
@@ -76,7 +94,7 @@ def _num_heads(root: nn.Module, name: str, cfg: HeadPruningConfig, in_features: 
 
 
 def _build(root: nn.Module, technique: str, cfg: object, group: object, name: str, index: int | None,
-           module: nn.Module, wq_groups: dict[int, int]) -> ScheduledTechnique:
+           module: nn.Module, wq_groups: dict[int, int], tp: TensorParallel | None) -> ScheduledTechnique:
     offset = cfg.schedule_offset  # type: ignore[attr-defined]
     if technique == "weight_quantization":
         groups = module.weight.shape[0] if isinstance(module, nn.Embedding) else cfg.quantize_groups  # type: ignore[attr-defined]
@@ -95,15 +113,18 @@ def _build(root: nn.Module, technique: str, cfg: object, group: object, name: st
     kind = technique.removesuffix("_pruning")
     related: tuple[str, ...] = ()
     if kind != "sparse" and group.related_modules is not None and index is not None:  # type: ignore[attr-defined]
-        related = pair_related(root, name, group.related_modules[index], technique)  # type: ignore[attr-defined]
-    heads = _num_heads(root, name, cfg, module.in_features) if kind == "head" else 1  # type: ignore[arg-type]
+        related = pair_related(root, name, group.related_modules[index], technique,  # type: ignore[attr-defined]
+                               () if tp is None else tp.split_types)
+    heads = _num_heads(root, name, cfg, module.weight.shape[1], tp) if kind == "head" else 1  # type: ignore[arg-type]
     return Mask(kind=kind, method=cfg.method, dense_ratio=float(group.dense_ratio), schedule_offset=offset,  # type: ignore[attr-defined, arg-type]
                 weight=module.weight, num_heads=heads, freeze_after=getattr(cfg, "schedule_offset_end", None),
                 related=related)
 
 
-def init_compression(model: nn.Module, config: CompressionConfig | dict | str, teacher_model: nn.Module | None = None) -> nn.Module:
-    """Prepares ``model`` for compression-aware training (in place) and returns it.
+def init_compression(model: nn.Module, deepspeed_config: CompressionConfig | dict | str,
+                     teacher_model: nn.Module | None = None, mpu: Any = None) -> nn.Module:
+    """Prepares ``model`` for compression-aware training (in place) and returns it (DeepSpeed's signature; see
+    [Note: DeepSpeed's call shapes]).
 
     Selected layers are swapped for compressed twins that share their parameters, and each gets its technique
     objects (quantizers, masks, learnable scores). Every technique starts *off*: `apply_schedule` (or the Lightning
@@ -113,17 +134,25 @@ def init_compression(model: nn.Module, config: CompressionConfig | dict | str, t
 
     Args:
         model: The model (a DDP wrapper is unwrapped).
-        config: A `CompressionConfig`, or DeepSpeed's ``compression_training`` dict / JSON path.
+        deepspeed_config: A `CompressionConfig`, or DeepSpeed's config dict (whole, or its ``compression_training``
+            section) or JSON path.
         teacher_model: Source of the layers for ``layer_reduction`` (required when it is enabled).
+        mpu: Megatron's model-parallel unit, or None. With more than one model-parallel rank its split linears become
+            compressible as [Note: compression under tensor parallelism] in ``_parallel.py`` says.
 
     Returns:
         ``model`` itself.
 
     Raises:
         ValueError: For an invalid config, regex, selection (no match, wrong type, matched twice, also across
-            calls), head count, or a missing teacher.
+            calls), head count, a missing teacher, or a technique a split layer cannot take.
+        TypeError: If ``mpu`` lacks the model-parallel accessors.
     """
-    cfg = parse_compression_training(config)
+    cfg = parse_compression_training(deepspeed_config)
+    tp = TensorParallel.from_mpu(mpu)
+    if tp is not None:
+        check_group_size(tp)
+    split_types = () if tp is None else tp.split_types
     root = _root(model)
     if cfg.layer_reduction is not None:
         if teacher_model is None:
@@ -133,14 +162,16 @@ def init_compression(model: nn.Module, config: CompressionConfig | dict | str, t
     wq_groups: dict[int, int] = {}
     for technique, tcfg in cfg.techniques().items():
         claimed: dict[str, str] = {}
-        for sel in select_modules(root, technique, tcfg.groups):  # type: ignore[attr-defined]
+        for sel in select_modules(root, technique, tcfg.groups, split_types):  # type: ignore[attr-defined]
             module = root.get_submodule(sel.name)
+            if tp is not None:
+                tp.check(technique, sel.name, module)
             if getattr(module, technique, None) is not None:
                 raise ValueError(f"{technique}: module {sel.name!r} already has {technique} (from an earlier "
                                  "init_compression call or another callback); select it once.")
             if sel.name == "":
                 raise ValueError("cannot compress the root module itself; wrap it in a container module.")
-            built = _build(root, technique, tcfg, sel.group, sel.name, sel.pattern_index, module, wq_groups)
+            built = _build(root, technique, tcfg, sel.group, sel.name, sel.pattern_index, module, wq_groups, tp)
             for rel in getattr(built, "related", ()):
                 if rel in claimed:
                     raise ValueError(f"{technique}: related module {rel!r} is paired with both {claimed[rel]!r} and "
@@ -150,9 +181,12 @@ def init_compression(model: nn.Module, config: CompressionConfig | dict | str, t
     for technique, name, module, built in plans:  # all validated: now change the model
         twin = root.get_submodule(name)
         if not isinstance(twin, COMPRESSED_TYPES):
-            twin = compressed_twin(module)
+            twin = compressed_twin(module, tp)
             _replace(root, module, twin)
         twin.add_technique(technique, built, name)
+        if isinstance(twin, CompressedParallelLinear) and tp is not None:  # how related layers are split, for cleaning
+            split = {rel: tp.kind(root.get_submodule(rel)) for rel in getattr(built, "related", ())}
+            twin.__dict__.setdefault("tp_related", {}).update(split)
     return model
 
 
@@ -229,10 +263,20 @@ def _slice(module: nn.Module, dim: int, index: Tensor, names: tuple[str, ...] = 
             setattr(module, name, int(index.numel()))
 
 
-def _remove_rows(root: nn.Module, name: str, mask: Mask, edits: list[StructureEdit]) -> None:
+_Splits = dict[str, tuple[SplitKind | None, int]]
+"""Module name -> (how it is split, model-parallel world size) for the split layers involved in cleaning."""
+
+
+def _slice_split(root: nn.Module, name: str, dim: int, index: Tensor, splits: _Splits) -> None:
+    module = root.get_submodule(name)
+    _slice(module, dim, index)
+    if name in splits:
+        update_split_sizes(module, dim, int(index.numel()), splits[name][1])
+
+
+def _remove_rows(root: nn.Module, name: str, mask: Mask, edits: list[StructureEdit], splits: _Splits) -> None:
     keep = mask.keep_index()
-    primary = root.get_submodule(name)
-    _slice(primary, 0, keep)
+    _slice_split(root, name, 0, keep, splits)
     edits.append(StructureEdit(name, 0, keep))
     for rel in mask.related:
         module = root.get_submodule(rel)
@@ -244,66 +288,104 @@ def _remove_rows(root: nn.Module, name: str, mask: Mask, edits: list[StructureEd
         if module.weight.shape[1] != mask.mask.numel():
             raise ValueError(f"{mask.technique}: related module {rel!r} has {module.weight.shape[1]} inputs but "
                              f"{name!r} has {mask.mask.numel()} outputs; fix the related_modules regex.")
-        _slice(module, 1, keep)
+        _slice_split(root, rel, 1, keep, splits)
         edits.append(StructureEdit(rel, 1, keep))
 
 
-def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureEdit]) -> None:
+def _head_rows(rel: str, out: int, width: int, cols: Tensor, heads: Tensor, mask: Mask, split: bool) -> Tensor:
+    """Rows of a related Q/K/V (or fused QKV) layer that belong to the kept heads: chunk by chunk (``[q; k; v]``,
+    each ``width`` rows), or head by head for a split layer (Megatron's ``[head][q, k, v][dim]``)."""
+    if split:
+        if out % mask.num_heads != 0:
+            raise ValueError(f"head_pruning: related split layer {rel!r} has {out} local outputs, not a multiple of "
+                             f"its {mask.num_heads} local heads.")
+        per_head = out // mask.num_heads
+        return (heads[:, None] * per_head + torch.arange(per_head)).flatten()
+    if out % width != 0:
+        raise ValueError(f"head_pruning: related module {rel!r} has {out} outputs, not a multiple of the "
+                         f"{width} inputs of the output projection; it must be Q, K, V or a fused QKV projection.")
+    return torch.cat([chunk * width + cols for chunk in range(out // width)])
+
+
+def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureEdit], splits: _Splits) -> None:
     heads = mask.keep_index()
     proj = root.get_submodule(name)
     width = proj.weight.shape[1]
     head_dim = width // mask.num_heads
     cols = (heads[:, None] * head_dim + torch.arange(head_dim)).flatten()
-    _slice(proj, 1, cols)
+    _slice_split(root, name, 1, cols, splits)
     edits.append(StructureEdit(name, 1, cols))
     for rel in mask.related:
         module = root.get_submodule(rel)
-        out = module.weight.shape[0]
-        if out % width != 0:
-            raise ValueError(f"head_pruning: related module {rel!r} has {out} outputs, not a multiple of the "
-                             f"{width} inputs of {name!r}; it must be Q, K, V or a fused QKV projection.")
-        rows = torch.cat([chunk * width + cols for chunk in range(out // width)])
-        _slice(module, 0, rows)
+        rows = _head_rows(rel, module.weight.shape[0], width, cols, heads, mask, splits.get(rel, (None, 1))[0] is not None)
+        _slice_split(root, rel, 0, rows, splits)
         edits.append(StructureEdit(rel, 0, rows))
     parents = {id(p): p for p in [_parent(root, name), *(_parent(root, r) for r in mask.related)]}
+    world = splits.get(name, (None, 1))[1]
+    kept = int(heads.numel())
     updated = False
     for parent in parents.values():
         for attr in HEAD_COUNT_ATTRS:
             if isinstance(getattr(parent, attr, None), int):
-                setattr(parent, attr, int(heads.numel()))
+                setattr(parent, attr, kept * world)
                 updated = True
         if isinstance(getattr(parent, "all_head_size", None), int):
-            parent.all_head_size = int(heads.numel()) * head_dim
+            parent.all_head_size = kept * world * head_dim
+        for attr, value in (("num_attention_heads_per_partition", kept), ("hidden_size_per_partition", kept * head_dim)):
+            if isinstance(getattr(parent, attr, None), int):
+                setattr(parent, attr, value)
+                updated = True
     if not updated:
         warnings.warn(f"head_pruning: removed heads of {name!r} but found no head-count attribute "
                       f"({list(HEAD_COUNT_ATTRS)}) on its parent; update the attention module yourself.", stacklevel=3)
 
 
-def redundancy_clean(model: nn.Module, config: CompressionConfig | dict | str | None = None) -> nn.Module:
+def redundancy_clean(model: nn.Module, deepspeed_config: CompressionConfig | dict | str | None = None,
+                     mpu: Any = None) -> nn.Module:
     """Bakes compression into plain layers and physically removes pruned units; see [Note: redundancy_clean keeps
-    outputs].
+    outputs]. DeepSpeed's signature (see [Note: DeepSpeed's call shapes]).
 
     Args:
         model: A model prepared by `init_compression` (a DDP wrapper is unwrapped); changed in place.
-        config: Optional; when given, its selections are re-validated against the model (matched-twice errors).
+        deepspeed_config: Optional; when given, its selections are re-validated against the model (matched-twice
+            errors).
+        mpu: Megatron's model-parallel unit, or None. Split layers remember their split from `init_compression`;
+            a given ``mpu`` must report the same model-parallel world size.
 
     Returns:
         ``model``, whose outputs equal the compressed model's (up to float summation order).
 
     Raises:
-        ValueError: For an invalid config, related modules whose shapes do not fit, or tied weights compressed
-            differently.
+        ValueError: For an invalid config, related modules whose shapes do not fit, tied weights compressed
+            differently, or an ``mpu`` whose world size differs from the one the model was compressed under.
     """
-    return _clean(model, config)[0]
+    return _clean(model, deepspeed_config, mpu)[0]
 
 
-def _clean(model: nn.Module, config: CompressionConfig | dict | str | None) -> tuple[nn.Module, list[StructureEdit]]:
+def _splits(compressed: list[tuple[str, nn.Module]], tp: TensorParallel | None) -> _Splits:
+    """Split layers among the compressed twins and their related modules, as recorded by `init_compression`."""
+    out: _Splits = {}
+    for name, m in compressed:
+        if isinstance(m, CompressedParallelLinear):
+            if tp is not None and tp.world_size != m.tp_world_size:
+                raise ValueError(f"redundancy_clean: {name!r} was compressed over {m.tp_world_size} model-parallel "
+                                 f"ranks but mpu reports {tp.world_size}; pass the mpu used with init_compression.")
+            out[name] = (m.tp_kind, m.tp_world_size)
+            for rel, kind in getattr(m, "tp_related", {}).items():
+                out[rel] = (kind, m.tp_world_size)
+    return out
+
+
+def _clean(model: nn.Module, config: CompressionConfig | dict | str | None,
+           mpu: Any = None) -> tuple[nn.Module, list[StructureEdit]]:
     root = _root(model)
+    tp = TensorParallel.from_mpu(mpu)
     if config is not None:
         cfg = parse_compression_training(config)
         for technique, tcfg in cfg.techniques().items():
-            select_modules(root, technique, tcfg.groups)  # type: ignore[attr-defined]
+            select_modules(root, technique, tcfg.groups, () if tp is None else tp.split_types)  # type: ignore[attr-defined]
     compressed = _bake(root)
+    splits = _splits(compressed, tp)
     structural = [(n, t) for n, m in compressed for t in m.techniques().values()
                   if isinstance(t, Mask) and t.kind != "sparse" and t.active and t.related]
     for name, m in compressed:
@@ -311,9 +393,9 @@ def _clean(model: nn.Module, config: CompressionConfig | dict | str | None) -> t
     edits: list[StructureEdit] = []
     for name, mask in structural:
         if mask.kind == "head":
-            _remove_heads(root, name, mask, edits)
+            _remove_heads(root, name, mask, edits, splits)
         else:
-            _remove_rows(root, name, mask, edits)
+            _remove_rows(root, name, mask, edits, splits)
     return model, edits
 
 

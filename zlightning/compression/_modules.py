@@ -1,4 +1,4 @@
-"""Compressed twins of ``nn.Linear``, ``nn.Conv2d`` and ``nn.Embedding``.
+"""Compressed twins of ``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` and Megatron's split linears.
 
 A twin *is* its base class (``isinstance(CompressedLinear(...), nn.Linear)``) and holds the very same ``weight`` and
 ``bias`` Parameter objects, so optimizers, tied weights and ``state_dict`` keys are unchanged; techniques are child
@@ -12,15 +12,17 @@ and a cleaned model holds exactly the weights the training forward used. DeepSpe
 
 from __future__ import annotations
 
-from typing import Any
+from functools import lru_cache
+from typing import Any, ClassVar
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zlightning.compression._parallel import SplitKind, TensorParallel, parallel_forward
 from zlightning.compression._techniques import ActivationQuantizer, Mask, ScheduledTechnique, WeightQuantizer
 
-__all__ = ["COMPRESSED_TYPES", "CompressedConv2d", "CompressedEmbedding", "CompressedLinear", "TECHNIQUES",
-           "compressed_twin", "plain_twin"]
+__all__ = ["COMPRESSED_TYPES", "CompressedConv2d", "CompressedEmbedding", "CompressedLinear",
+           "CompressedParallelLinear", "TECHNIQUES", "compressed_twin", "plain_twin"]
 
 TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning", "head_pruning",
               "channel_pruning")
@@ -105,10 +107,30 @@ class CompressedEmbedding(_CompressedMixin, nn.Embedding):
         return F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
 
 
+class CompressedParallelLinear(_CompressedMixin):
+    """Base of the compressed twins of Megatron's split linears (``mpu.ColumnParallelLinear`` /
+    ``mpu.RowParallelLinear``): a twin class derives from this and from the original class, so ``isinstance`` checks
+    against Megatron's class still hold. See [Note: compression under tensor parallelism] in ``_parallel.py``."""
+
+    plain_class: ClassVar[type[nn.Module]]
+    tp_kind: SplitKind
+    tp_group: Any
+    tp_world_size: int
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        w, b = self.compressed_params()
+        return parallel_forward(self, self.tp_kind, self.tp_group, self.tp_world_size, self._input(x), w, b)
+
+
+@lru_cache(maxsize=None)
+def _parallel_twin_class(cls: type[nn.Module]) -> type[CompressedParallelLinear]:
+    return type(f"Compressed{cls.__name__}", (CompressedParallelLinear, cls), {"plain_class": cls})
+
+
 _TWINS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: CompressedLinear, nn.Conv2d: CompressedConv2d, nn.Embedding: CompressedEmbedding,
 }
-COMPRESSED_TYPES = (CompressedLinear, CompressedConv2d, CompressedEmbedding)
+COMPRESSED_TYPES = (CompressedLinear, CompressedConv2d, CompressedEmbedding, CompressedParallelLinear)
 
 
 def _copy_into(cls: type[nn.Module], module: nn.Module) -> Any:
@@ -117,10 +139,18 @@ def _copy_into(cls: type[nn.Module], module: nn.Module) -> Any:
     return new
 
 
-def compressed_twin(module: nn.Module) -> _CompressedMixin:
-    """The compressed twin of a Linear/Conv2d/Embedding sharing its parameters (the module itself if already one)."""
+def compressed_twin(module: nn.Module, tp: TensorParallel | None = None) -> _CompressedMixin:
+    """The compressed twin of a Linear/Conv2d/Embedding, or of a split linear of ``tp``, sharing its parameters (the
+    module itself if already one)."""
     if isinstance(module, COMPRESSED_TYPES):
         return module
+    kind = None if tp is None else tp.kind(module)
+    if kind is not None and tp is not None:
+        twin = _copy_into(_parallel_twin_class(type(module)), module)
+        twin.tp_kind, twin.tp_group, twin.tp_world_size = kind, tp.group, tp.world_size
+        for name in TECHNIQUES:
+            setattr(twin, name, None)
+        return twin
     base = next((b for b in _TWINS if type(module) is b), None)
     if base is None:
         base = next((b for b in _TWINS if isinstance(module, b)), None)
@@ -136,9 +166,14 @@ def compressed_twin(module: nn.Module) -> _CompressedMixin:
 
 
 def plain_twin(module: nn.Module) -> nn.Module:
-    """The plain base module (Linear/Conv2d/Embedding) sharing the parameters, techniques dropped."""
-    base = next(b for b in _TWINS if isinstance(module, b))
-    new = _copy_into(base, module)
+    """The plain base module (Linear/Conv2d/Embedding, or the original split linear) sharing the parameters,
+    techniques dropped."""
+    if isinstance(module, CompressedParallelLinear):
+        new = _copy_into(module.plain_class, module)
+        for name in ("tp_kind", "tp_group", "tp_world_size"):
+            new.__dict__.pop(name, None)
+    else:
+        new = _copy_into(next(b for b in _TWINS if isinstance(module, b)), module)
     for name in TECHNIQUES:
         new._modules.pop(name, None)
         new.__dict__.pop(name, None)

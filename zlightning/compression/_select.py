@@ -46,15 +46,19 @@ def _compile(technique: str, group: str, pattern: str) -> re.Pattern[str]:
         raise ValueError(f"{technique} group {group!r}: module pattern {pattern!r} is not a valid regex ({err}).") from err
 
 
-def select_modules(model: nn.Module, technique: str, groups: tuple[object, ...]) -> list[Selection]:
+def select_modules(model: nn.Module, technique: str, groups: tuple[object, ...],
+                   split_types: tuple[type[nn.Module], ...] = ()) -> list[Selection]:
     """The modules selected by each group of ``technique``, validated.
+
+    ``split_types`` (Megatron's split linears, from ``mpu``) are candidates of every technique here; which technique
+    may act on which split is checked by the caller (`TensorParallel.check`).
 
     Raises:
         ValueError: For an invalid regex, a pattern matching no supported module, a matched module of an unsupported
             type, or a module matched twice (by two patterns or two groups).
     """
-    supported = SUPPORTED[technique]
-    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, COMPRESSIBLE)]
+    supported = SUPPORTED[technique] + split_types
+    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, COMPRESSIBLE + split_types)]
     owner: dict[str, tuple[str, str]] = {}
     out: list[Selection] = []
     for group in groups:
@@ -101,13 +105,14 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
-def pair_related(model: nn.Module, primary: str, patterns: tuple[str, ...], technique: str) -> tuple[str, ...]:
+def pair_related(model: nn.Module, primary: str, patterns: tuple[str, ...], technique: str,
+                 split_types: tuple[type[nn.Module], ...] = ()) -> tuple[str, ...]:
     """The related modules of ``primary``: for each pattern, the matches nearest to it in the module tree.
 
     Raises:
-        ValueError: If a pattern matches no Linear/Conv2d/BatchNorm2d module.
+        ValueError: If a pattern matches no Linear/Conv2d/BatchNorm2d module (or split linear of ``split_types``).
     """
-    names = [n for n, m in model.named_modules() if isinstance(m, _RELATED_TYPES) and n != primary]
+    names = [n for n, m in model.named_modules() if isinstance(m, _RELATED_TYPES + split_types) and n != primary]
     out: list[str] = []
     for pattern in patterns:
         hits = [n for n in names if _compile(technique, "related_modules", pattern).search(n)]
