@@ -19,7 +19,6 @@ from torch import nn
 from zlightning.inject._classify import HEAD_ATTRS, classify_linears, validate_tp
 from zlightning.inject._layers import (
     ColumnParallelLinear,
-    FusedNorm,
     FusedSelfAttention,
     HiddenParallelEmbedding,
     RowParallelLinear,
@@ -83,8 +82,10 @@ def module_inject(model: nn.Module, policy: InjectPolicy = InjectPolicy(), *,
     for ``tp_size > 1``, validate divisibility and per-block data flow; (2) kernel injection: each attention module
     (a head-count attribute plus a fused or split Q/K/V and an output projection) is rebuilt as `FusedSelfAttention`
     (``F.scaled_dot_product_attention``), each MLP (plain or gated) as `FusedMLP` and each hand-written Layer/RMS
-    norm as `FusedNorm`, each only if it agrees
-    with the original on a probe input (causality is detected the same way); (3) tensor parallelism: Linears become
+    norm (recognised by structure and behaviour, see [Note: what counts as a norm] in ``_norms.py``) as `FusedNorm`,
+    each only if it agrees with the original on a probe input (causality is detected the same way); with
+    ``inject_kernels=False`` only the attention modules that sharding needs are rebuilt (see [Note: tensor
+    parallelism alone is silent about kernels]); (3) tensor parallelism: Linears become
     `ColumnParallelLinear` / `RowParallelLinear` per style, embeddings are sliced on the hidden dim (a tied LM head
     keeps sharing the shard), and autograd Functions place the all-reduce/all-gather in forward and backward.
     Replicated parameters receive identical full gradients on every TP rank, so a TP run equals a single-process run.
