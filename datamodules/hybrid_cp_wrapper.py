@@ -334,6 +334,7 @@ class HybridCPDataLoaderWrapper:
     _group: ProcessGroup | None
     _dp_group: ProcessGroup | None
     _cp_group: ProcessGroup | None
+    _tp_group: ProcessGroup | None
     _layout_cache: _Layout | None
 
     def __init__(
@@ -348,6 +349,7 @@ class HybridCPDataLoaderWrapper:
         self.data_iterator = data_iterator
         self._iterator = None
         self._layout_cache = None
+        self._tp_group = None if pg_collection is None else getattr(pg_collection, "tp", None)
         if pg_collection is None:
             self._group, self._dp_group, self._cp_group = dp_cp_group, None, None
         elif dp_cp_group is not None:
@@ -377,6 +379,12 @@ class HybridCPDataLoaderWrapper:
     def dp_group(self) -> ProcessGroup | None:
         """``pg_collection.dp`` if one was given; None means the DP peers follow the rank layout."""
         return self._dp_group
+
+    @property
+    def tp_group(self) -> ProcessGroup | None:
+        """``pg_collection.tp`` if one was given (kept for Megatron code that reads it; ranks are mapped through the
+        DP and DP×CP groups, so the wrapper itself does not need it)."""
+        return self._tp_group
 
     @property
     def total_hdp_gpus(self) -> int:

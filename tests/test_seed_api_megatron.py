@@ -91,6 +91,7 @@ def test_pg_collection_is_positional_and_needs_dp_cp() -> None:
     group = object()  # never used before iteration: construction runs no collective
     wrapper = HybridCPDataLoaderWrapper(iter([]), _megatron_config(1), SimpleNamespace(dp_cp=group, dp=None))
     assert wrapper.dp_cp_group is group and wrapper.cp_balancing_scheduler.dp_cp_group is group
+    assert wrapper.dp_group is None and wrapper.tp_group is None
     with pytest.raises(TypeError, match="pg_collection .* has no 'dp_cp' group"):
         HybridCPDataLoaderWrapper(iter([]), _megatron_config(1), SimpleNamespace(dp=group))
     with pytest.raises(ValueError, match="either as pg_collection.dp_cp or as dp_cp_group="):
