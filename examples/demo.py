@@ -27,7 +27,7 @@ import zlightning  # noqa: E402,F401  (registers zstack_zero3)
 from examples.gpt import GPTLightningModule  # noqa: E402
 from zlightning.datamodules import TextCorpusDataModule  # noqa: E402
 from zlightning.strategies import ZeroMemoryMonitor, ZStackZero3Strategy  # noqa: E402
-from zlightning.zero import ZeroConfig  # noqa: E402
+from zlightning.zero import ZeroConfig, summon_full_params  # noqa: E402
 
 
 class Throughput(Callback):
@@ -92,9 +92,10 @@ def main() -> None:
     )
     trainer.fit(model, datamodule=data)
     val_loss = float(trainer.callback_metrics.get("val/loss", float("nan")))
+    # The module stays sharded after fit: rank 0 gets the full parameters, gathered one unit at a time.
+    with summon_full_params(model, rank0_only=True) as full:
+        sample = full.generate_text("def ", max_new_tokens=120, temperature=0.8, top_k=20) if full is not None else ""
     if trainer.is_global_zero:
-        # After fit the module is a plain model again on every rank: generation needs no collectives.
-        sample = model.generate_text("def ", max_new_tokens=120, temperature=0.8, top_k=20)
         print("\n" + "=" * 72)
         print(f"final validation loss : {val_loss:.4f} (byte-level cross-entropy, nats)")
         print(f"throughput            : {throughput.tokens_per_s:,.0f} tokens/s over {trainer.world_size} processes")

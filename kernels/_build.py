@@ -31,7 +31,7 @@ from pathlib import Path
 __all__ = ["BuildResult", "build", "build_dir", "cache_key", "library_path"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("zl_kernels.h", "adam_isa.cpp", "aio_uring.cpp", "ops.cpp")
+SOURCES = ("zl_kernels.h", "adam_isa.cpp", "aio_uring.cpp", "host_cache.cpp", "ops.cpp")
 LIB_NAME = "libzlkernels.so"
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
 ISA_FLAGS = {
@@ -122,6 +122,9 @@ def _commands(cxx: str, out: Path, includes: list[str], lib_dir: str, abi: bool)
     objs.append(obj)
     flags_str = " ".join(COMMON_FLAGS) + " | isa: " + "; ".join(f"{k}: {' '.join(v) or '(x86-64)'}"
                                                                for k, v in ISA_FLAGS.items())
+    obj = str(out / "host_cache.o")
+    cmds.append([cxx, *COMMON_FLAGS, *abi_flag, *inc, "-c", str(CSRC / "host_cache.cpp"), "-o", obj])
+    objs.append(obj)
     obj = str(out / "ops.o")
     cmds.append([cxx, *COMMON_FLAGS, *abi_flag, "-fopenmp", "-DTORCH_EXTENSION_NAME=zlkernels",
                  f'-DZL_BUILD_FLAGS="{flags_str}"', *inc, "-c", str(CSRC / "ops.cpp"), "-o", obj])

@@ -5,8 +5,19 @@ Lightning's FSDP strategies shard first and build optimizers after, which makes 
 flattened shards (``p.ndim == 1`` everywhere, so the usual "decay only matrices" grouping silently breaks). Like
 DeepSpeed, this strategy calls ``configure_optimizers`` while the parameters are still full, then shards the model and
 re-points each optimizer's parameter lists to the shard pieces (``attach_optimizer``). Optimizers are created lazily
-(no state yet), so nothing full-sized is ever allocated for them. Sharded initialisation for models that do not fit
-in full is a later issue's job.
+(no state yet), so nothing full-sized is ever allocated for them. Models built in ``configure_model`` are created on
+the meta device and each rank materialises only its shards; for them (and for a second ``fit`` of a module that is
+still sharded) ``configure_optimizers`` sees full-shape meta stand-ins of the parameters, re-pointed to the shards
+the same way.
+
+[Note: after fit]
+Gathering the model at the end of ``fit`` (full parameters and full optimizer state on every rank) would need more
+memory than training did, so a model that trains only because it is sharded could not finish ``fit``. As Lightning's
+own FSDP strategies do, the module therefore stays sharded after ``fit``: its hooks still gather each unit when it is
+called (every rank calls it, as in training), ``trainer.validate/test/predict`` (and another ``fit``) reuse the
+engine, and ``trainer.save_checkpoint`` writes sharded checkpoints as during training. Full weights come out unit by
+unit: ``summon_full_params`` (the full module on rank 0 or on every rank, gathered one group at a time) and
+``save_full_state_dict`` / ``zlightning consolidate`` (a file written one tensor at a time).
 
 [Note: checkpoints here]
 By default (``CheckpointPolicy(state_dict_type="sharded")``) ``trainer.save_checkpoint``, ``ModelCheckpoint`` and
@@ -47,9 +58,10 @@ from zlightning.inject._clip import tp_model_parallel_grads
 from zlightning.strategies._base import LaunchedParallelStrategy
 from zlightning.strategies._groups import metrics_to_group
 from zlightning.strategies._precision import ZeroPrecision
+from zlightning.strategies._weights_only import requested_weights_only
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
-from zlightning.zero._offload_optimizer import OffloadedAdam
 from zlightning.zero._offload_config import CPUOffload, NVMeOffload
+from zlightning.kernels._host_cache import empty_host_cache
 from zlightning.zero import (
     CheckpointPolicy,
     DynamicLossScaler,
@@ -58,6 +70,7 @@ from zlightning.zero import (
     ZeroConfig,
     ZeroState,
     attach_optimizer,
+    engine_of,
     full_optim_state_dict,
     full_state_dict,
     is_sharded_checkpoint,
@@ -66,7 +79,6 @@ from zlightning.zero import (
     load_sharded,
     memory_report,
     save_sharded,
-    unshard_module,
     zero3_shard,
 )
 
@@ -83,7 +95,8 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         Trainer(strategy=ZStackZero3Strategy(ZeroConfig(unit_modules=("Block",))), precision="bf16-mixed")
 
     Any ``LightningModule`` works unchanged; ``configure_optimizers`` sees the full parameters. After ``fit`` the
-    module is a plain module again on every rank (full parameters), so it can be used for generation directly.
+    module stays sharded (see [Note: after fit]): call it on every rank as during training, or get full weights
+    with ``zlightning.zero.summon_full_params`` / ``save_full_state_dict``.
 
     Args:
         zero: engine knobs (prefetch, persistence, buckets, overlap, units). See ``ZeroConfig``.
@@ -203,7 +216,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
     @property
     def engine(self) -> ZeroState | None:
-        """The ZeRO-3 engine state while the model is sharded (between setup and teardown)."""
+        """The ZeRO-3 engine sharding the model (from setup on; None once the module was unsharded)."""
+        if self._engine is not None and self.model is not None and engine_of(self.model) is not self._engine:
+            self._engine, self._attached = None, []  # unsharded by ``unshard_module``: a plain module again
         return self._engine
 
     # ---------------------------------------------------------------- precision (the property: LaunchedParallelStrategy)
@@ -224,40 +239,82 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             raise AssertionError("accelerator must be set before setup")
         self.accelerator.setup(trainer)
         self.model_to_device()
+        if self._tp is None and self.tensor_parallel_size > 1 and self.model is not None and engine_of(self.model):
+            raise ValueError(
+                "this module is already sharded by an earlier zstack_zero3 run; tensor parallelism cannot be applied "
+                "to it again from a new strategy: reuse the Trainer of that run (trainer.validate/test/predict/fit)"
+            )
         if self.tensor_parallel_size > 1 and self._tp is None:  # once: the modules stay tensor-parallel afterwards
             if self.model is None:
                 raise AssertionError("setup() before connect()")
             self._tp = apply_tensor_parallel(self.model, self.tensor_parallel_size)
             metrics_to_group(self.model, self._tp.dp_group)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)  # over full parameters: see [Note: optimizers before sharding]
+        if self.model is None:
+            raise AssertionError("setup() before connect()")
         plugin = self.precision_plugin
         if not isinstance(plugin, ZeroPrecision):
             raise AssertionError(f"unexpected precision plugin {type(plugin).__name__}")
         self._check_deepspeed_against(trainer, plugin)
         config = self._config_for(plugin)
-        if self.model is None:
-            raise AssertionError("setup() before connect()")
-        dp_group = self._tp.dp_group if self._tp is not None else None
-        tp_grads = tp_model_parallel_grads(self.model, self._tp.tp_group) if self._tp is not None else None
-        self._engine = zero3_shard(self.model, config, process_group=dp_group, device=self.root_device)
-        # clipping and the fp16 overflow check also reduce over the TP group: see [Note: tensor parallel and compile
-        # in the strategy]
-        self._engine.model_parallel = tp_grads
+        engine = self._engine or engine_of(self.model)  # sharded by an earlier fit: see [Note: after fit]
+        if engine is not None:
+            self._adopt(engine, config)
+        stand_ins = None
+        if fitting and engine is not None:  # configure_optimizers still sees full shapes (meta stand-ins)
+            with engine.full_shape_stand_ins() as stand_ins:
+                self.setup_optimizers(trainer)
+        elif fitting:
+            self.setup_optimizers(trainer)  # over full parameters: see [Note: optimizers before sharding]
+        if engine is None:
+            dp_group = self._tp.dp_group if self._tp is not None else None
+            engine = zero3_shard(self.model, config, process_group=dp_group, device=self.root_device)
+            # clipping and the fp16 overflow check also reduce over the TP group: see [Note: tensor parallel and
+            # compile in the strategy]
+            engine.model_parallel = (
+                tp_model_parallel_grads(self.model, self._tp.tp_group) if self._tp is not None else None
+            )
+        self._engine = engine
         if self.compile_config is not None:
-            self._compiled = compile_zero3(self._engine, self.compile_config)
-        # Only this run's optimizers (validate/test after fit keep the fit's, which are not sharded anymore).
-        users = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-        # With offload_optimizer the optimizer to step is an OffloadedAdam sharing the user's param_groups.
-        self._attached = [attach_optimizer(self._engine, optimizer) for optimizer in users]
-        if any(a is not u for a, u in zip(self._attached, users)):
-            self.optimizers = list(self._attached)
-        plugin.engine = self._engine
+            self._compiled = compile_zero3(engine, self.compile_config)
+        if fitting:  # validate/test/predict keep the optimizers of the fit (for checkpoints saved afterwards)
+            users = [getattr(o, "_optimizer", o) for o in self.optimizers]
+            # With offload_optimizer the optimizer to step is an OffloadedAdam sharing the user's param_groups.
+            self._attached = [attach_optimizer(engine, optimizer, stand_ins=stand_ins) for optimizer in users]
+            if any(a is not u for a, u in zip(self._attached, users)):
+                self.optimizers = list(self._attached)
+        plugin.engine = engine
         plugin.device = self.root_device.type
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _adopt(self, engine: ZeroState, config: ZeroConfig) -> None:
+        """Reuses the engine of a module sharded by an earlier run (same or another Trainer).
+
+        Raises:
+            ValueError: the earlier run sharded it differently (stage, offload, group size or tensor parallelism).
+        """
+        if engine is self._engine:
+            return
+        old = engine.config
+        differs = [
+            name for name in ("stage", "offload_optimizer", "offload_params", "unit_modules")
+            if getattr(old, name) != getattr(config, name)
+        ]
+        if engine.world_size * self.tensor_parallel_size != self.world_size or self.tensor_parallel_size > 1:
+            differs.append("world size / tensor_parallel_size")
+        if differs:
+            raise ValueError(
+                f"this module is already sharded by an earlier zstack_zero3 run, with other {', '.join(differs)}; "
+                "it stays sharded after fit (see the strategy's docs). Run with the same strategy settings, or "
+                "export full weights first (zlightning.zero.save_full_state_dict) and load them into a fresh module."
+            )
+        if old.mixed_precision != config.mixed_precision:
+            raise ValueError(
+                f"this module is already sharded by an earlier zstack_zero3 run with mixed precision "
+                f"{old.mixed_precision}, now {config.mixed_precision}: use the same Trainer(precision=...)"
+            )
 
     def _check_deepspeed_against(self, trainer: pl.Trainer, plugin: ZeroPrecision) -> None:
         ds = self.deepspeed
@@ -338,24 +395,27 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """Ends a run; the module stays sharded (see [Note: after fit]). Unlike Lightning's base teardown, nothing is
+        moved to the CPU: the parameters are views of the engine's shards and must stay where the shards are."""
         if self._compiled is not None:
             self._compiled.restore()
             self._compiled = None
         if self._engine is not None:
             if self._failed:
-                self._engine.remove_hooks()  # also removes the swap files
+                self._engine.remove_hooks()  # another rank may be gone: no collectives; also removes swap files
+                self._engine = None
+                self._attached = []
             else:
-                # plain module with full parameters (and full optimizer state) on every rank; offloaded optimizer
-                # state goes back into the user's optimizers
-                plain = [o.export_to_inner() if isinstance(o, OffloadedAdam) else o for o in self._attached]
-                if any(p is not a for p, a in zip(plain, self._attached)):
-                    self.optimizers = plain
-                unshard_module(self._engine, plain)
-            self._engine = None
-            self._attached = []
+                self._engine.release_all(keep_persistent=False)
             if isinstance(self._precision_plugin, ZeroPrecision):
                 self._precision_plugin.engine = None
-        super().teardown()
+        empty_host_cache()  # the step's idle buffers go back to the OS
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # ---------------------------------------------------------------- steps
     def _pass(self) -> Any:
@@ -427,11 +487,11 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         return False  # load_checkpoint restores the optimizers itself, for both formats
 
     def _sharded(self) -> bool:
-        return self._engine is not None and self.checkpoint.state_dict_type == "sharded"
+        return self.engine is not None and self.checkpoint.state_dict_type == "sharded"
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._engine is None:
+        if self.engine is None:
             return super().lightning_module_state_dict()
         if self._sharded():
             return {}  # written shard by shard in save_checkpoint
@@ -439,7 +499,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._engine is None:
+        if self.engine is None:
             return super().optimizer_state(optimizer)
         if self._sharded():
             return {}
@@ -459,19 +519,20 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if self._engine is not None and is_sharded_checkpoint(checkpoint_path):
-            client = load_sharded(self._engine, self._attached, checkpoint_path)
+        weights_only = requested_weights_only(weights_only)  # see [Note: Lightning's weights_only after setup]
+        if self.engine is not None and is_sharded_checkpoint(checkpoint_path):
+            client = load_sharded(self._engine, self._attached, checkpoint_path, weights_only=weights_only)
             self._loaded_sharded = True
             return client
         self._loaded_sharded = False
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self._engine is not None and self._attached and "optimizer_states" in checkpoint:
+        if self.engine is not None and self._attached and "optimizer_states" in checkpoint:
             self.load_optimizer_state_dict(checkpoint)
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if self._engine is None:
+        if self.engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         if self._loaded_sharded:
             return  # loaded in load_checkpoint
@@ -479,7 +540,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self._engine is None:
+        if self.engine is None:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
         if len(states) != len(self._attached):
@@ -497,10 +558,10 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         Raises:
             RuntimeError: called outside setup..teardown (the model is not sharded then).
         """
-        if self._engine is None:
+        if self.engine is None:
             raise RuntimeError(
                 "memory_report() needs a sharded model: call it during fit (e.g. from a callback) or use "
-                "ZeroMemoryMonitor; after fit the module is plain again"
+                "ZeroMemoryMonitor"
             )
         return memory_report(self._engine, self._attached)
 

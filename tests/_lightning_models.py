@@ -29,12 +29,24 @@ class TinyGPTModule(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", gpt_loss(self.model, batch[0]), sync_dist=True)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", gpt_loss(self.model, batch[0]), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr
         )
+
+
+def state_after_fit(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The full state dict (keys under ``prefix``, prefix removed) of a module trained by any strategy: zstack_zero3
+    keeps the module sharded after fit, so its full values are gathered (collective: every rank calls this)."""
+    from zlightning.zero import engine_of, full_state_dict
+
+    sd = full_state_dict(module) if engine_of(module) is not None else module.state_dict()
+    return {k[len(prefix):]: v.detach().clone() for k, v in sd.items() if k.startswith(prefix)}
 
 
 def loader(n_batches: int, micro_batch: int, world: int) -> DataLoader:
@@ -59,7 +71,7 @@ def rank_fit(rank: int, world: int, strategy: str, trainer_kwargs: dict[str, Any
         **trainer_kwargs,
     )
     trainer.fit(module, train_dataloaders=loader(n_batches, 2, world))
-    return {"losses": module.losses, "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    return {"losses": module.losses, "state": state_after_fit(module)}
 
 
 def global_batches_of(n_batches: int, micro_batch: int, world: int) -> list[torch.Tensor]:

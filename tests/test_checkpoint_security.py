@@ -248,8 +248,6 @@ def test_zero3_ckpt_path_refuses_planted_checkpoints(zero3_checkpoints: Path) ->
     assert not (root / "MARKER").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="strategies/zero3.py does not yet pass Lightning's weights_only through "
-                   "requested_weights_only (see [Note: Lightning's weights_only after setup])")
 def test_zero3_ckpt_path_opt_in_loads_trusted_checkpoints(zero3_checkpoints: Path) -> None:
     root = zero3_checkpoints
     attempts = [("sharded", str(root / "opted_sharded"), False), ("full", str(root / "opted_full.ckpt"), False)]

@@ -171,7 +171,7 @@ def _fit(rank: int, world: int, compile_cfg: CompileConfig | bool) -> dict[str, 
     import lightning.pytorch as pl
 
     import zlightning  # noqa: F401
-    from tests._lightning_models import TinyGPTModule, loader
+    from tests._lightning_models import TinyGPTModule, loader, state_after_fit
     from zlightning.strategies import ZStackZero3Strategy
 
     torch._dynamo.reset()
@@ -190,7 +190,7 @@ def _fit(rank: int, world: int, compile_cfg: CompileConfig | bool) -> dict[str, 
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=3)
     trainer.fit(module, train_dataloaders=loader(3, 2, world), val_dataloaders=loader(2, 2, world))
     return {"losses": module.losses, "seen": seen, "val": float(trainer.callback_metrics["val_loss"]),
-            "state": {k: v.detach().clone() for k, v in module.model.state_dict().items()}}
+            "state": state_after_fit(module, "model.")}
 
 
 def test_graph_mode_through_the_lightning_strategy() -> None:

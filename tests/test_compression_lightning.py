@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from tests._lightning_models import TinyGPTModule, global_batches_of, loader
+from tests._lightning_models import TinyGPTModule, global_batches_of, loader, state_after_fit
 from tests._zero_models import gpt_loss, tiny_gpt
 from zlightning.testing import run_distributed
 
@@ -69,7 +69,7 @@ def _rank_fit(rank: int, world: int, strategy: str, export_path: str) -> dict[st
     trainer = _trainer(strategy, world, max_steps=STEPS, accumulate_grad_batches=ACCUM, callbacks=[*callbacks, sizes])
     trainer.fit(module, loader(STEPS * ACCUM, 2, world))
     report = callbacks[-1].export_report
-    return {"score_sizes": sizes.sizes, "losses": module.losses, "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+    return {"score_sizes": sizes.sizes, "losses": module.losses, "state": state_after_fit(module),
             "ratio": None if report is None else report.ratio, "step": trainer.global_step}
 
 

@@ -43,6 +43,7 @@ from examples.gpt_hybrid_cp import HybridCPGPTModule
 from examples.gpt_model import GPT, GPTConfig
 from tests.test_hybrid_cp_attention import TOL, _reference, _run_block
 from tests.test_hybrid_cp_lightning import BATCH, CFG, HCP, _datamodule, _write_corpus
+from tests._lightning_models import state_after_fit
 from zlightning.datamodules import (
     CPShard,
     HybridCPConfig,
@@ -477,7 +478,8 @@ def _fit(rank: int, world: int, root: str) -> dict[str, Any]:
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
         trainer.fit(module, datamodule=_datamodule(root))
-        params = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+        state = state_after_fit(module, "model.")
+        params = {n: state[n] for n, _ in module.model.named_parameters()}
         out[strategy] = {"losses": module.losses, "params": params, "steps": trainer.global_step}
     return out
 

@@ -177,7 +177,11 @@ def _fit(rank: int, world: int) -> dict[str, Any]:
         enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=loader(N_BATCHES, MICRO, world))
-    return {"losses": module.losses, "state": tp_full_state(module.model), "seen": module.seen,
+    from zlightning.zero import summon_full_params
+
+    with summon_full_params(module):  # the module stays sharded after fit
+        state = tp_full_state(module.model)
+    return {"losses": module.losses, "state": state, "seen": module.seen,
             "rows": float(module.rows.compute()), "mean_loss": float(module.mean_loss.compute()),
             "rows_synced": float(trainer.callback_metrics["rows_synced"])}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests._lightning_models import TinyGPTModule, loader
+from tests._lightning_models import TinyGPTModule, loader, state_after_fit
 from zlightning.testing import run_distributed
 
 WORLD = 2
@@ -44,8 +44,8 @@ def _resume(rank: int, world: int, ckpt_dir: str, kind: str) -> dict[str, Any]:
     trainer = _trainer(kind, max_epochs=2, accumulate_grad_batches=2)
     trainer.fit(resumed, loader(4, 2, world), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
     return {
-        "straight": straight.state_dict(), "resumed": resumed.state_dict(), "step": trainer.global_step,
-        "straight_losses": straight.losses[-4:], "resumed_losses": resumed.losses, "first": first.state_dict(),
+        "straight": state_after_fit(straight), "resumed": state_after_fit(resumed), "step": trainer.global_step,
+        "straight_losses": straight.losses[-4:], "resumed_losses": resumed.losses, "first": state_after_fit(first),
     }
 
 
@@ -76,8 +76,9 @@ def _precision(rank: int, world: int, precision: str) -> dict[str, Any]:
     module = TinyGPTModule(lr=3e-3)
     before = {k: v.clone() for k, v in module.state_dict().items()}
     _trainer(max_steps=6, precision=precision, gradient_clip_val=1.0).fit(module, loader(8, 2, world))
-    changed = all(not torch.equal(v, before[k]) for k, v in module.state_dict().items())
-    dtypes = {str(p.dtype) for p in module.parameters()}
+    after = state_after_fit(module)
+    changed = all(not torch.equal(v, before[k]) for k, v in after.items())
+    dtypes = {str(v.dtype) for v in after.values()}
     return {"losses": module.losses, "changed": changed, "dtypes": dtypes}
 
 
@@ -97,19 +98,32 @@ def _validate_then_generate(rank: int, world: int) -> dict[str, Any]:
     trainer = _trainer(max_steps=2, limit_val_batches=2, val_check_interval=2)
     trainer.fit(module, loader(4, 2, world), loader(2, 2, world))
     val = float(trainer.callback_metrics["val_loss"])
-    # after fit: a plain module on every rank, usable for generation without collectives
-    assert module.model.tok_emb.weight.shape == (64, 32)
-    if rank == 0:
-        out = module.model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5, top_k=1)
-    else:
-        out = torch.zeros(1, 6, dtype=torch.long)
+    from zlightning.zero import engine_of, summon_full_params
+
+    # after fit the module stays sharded: every rank calling it together generates (units gathered on use) ...
+    assert engine_of(module) is not None and module.model.tok_emb.weight.ndim == 1
+    with torch.no_grad():
+        together = module.model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5, top_k=1)
+    # ... and rank 0 alone generates with the full parameters summoned to it
+    with summon_full_params(module, rank0_only=True) as full:
+        if rank == 0:
+            assert full is module and module.model.tok_emb.weight.shape == (64, 32)
+            out = module.model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5, top_k=1)
+        else:
+            assert full is None
+            out = torch.zeros(1, 6, dtype=torch.long)
+    assert module.model.tok_emb.weight.ndim == 1  # sharded again
     val_again = trainer.validate(module, loader(2, 2, world), verbose=False)[0]["val_loss"]
-    return {"val": val, "val_again": val_again, "gen": out, "state": module.state_dict()}
+    state = state_after_fit(module)
+    test_loss = trainer.test(module, loader(2, 2, world), verbose=False)  # test reuses the engine too
+    return {"val": val, "val_again": val_again, "gen": out, "together": together, "state": state,
+            "test": test_loss}
 
 
 def test_validation_and_use_after_fit() -> None:
     out = run_distributed(_validate_then_generate, WORLD, init_process_group=False, timeout=300)
     assert out[0]["gen"].shape == (1, 6)
+    assert torch.equal(out[0]["gen"], out[0]["together"]) and torch.equal(out[1]["together"], out[0]["together"])
     for name, value in out[0]["state"].items():
         assert torch.equal(out[1]["state"][name], value), name
     # validation through the sharded model equals validation of the plain model computed here
@@ -122,6 +136,7 @@ def test_validation_and_use_after_fit() -> None:
         expected = sum(float(gpt_loss(plain.model, b[0])) for i, b in enumerate(data) if i < 2 * WORLD) / (2 * WORLD)
     assert abs(out[0]["val_again"] - expected) < 1e-5
     assert out[0]["val"] == out[1]["val"]
+    assert abs(out[0]["test"][0]["test_loss"] - out[0]["val_again"]) < 1e-6
 
 
 def _top_k(rank: int, world: int, ckpt_dir: str) -> list[str]:

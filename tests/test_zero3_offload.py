@@ -115,7 +115,7 @@ def _fit(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     import zlightning  # noqa: F401
-    from tests._lightning_models import TinyGPTModule, loader
+    from tests._lightning_models import TinyGPTModule, loader, state_after_fit
     from zlightning.strategies import ZeroStrategy
 
     swap = os.path.join(root, "swap")
@@ -138,13 +138,20 @@ def _fit(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     module = TinyGPTModule()
     trainer = pl.Trainer(**kwargs)
     trainer.fit(module, loader(4, 2, world), ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if phase == "resume" else None)
-    return {
-        "state": {k: v.clone() for k, v in module.state_dict().items()},
+
+    def own_swap_files() -> list[str]:  # this rank's folder only: another rank may still be removing its own
+        return [f for f in _files_under(swap) if re.search(rf"-rank{rank}(-|/|$)", f)] if os.path.isdir(swap) else []
+
+    out = {
+        "state": state_after_fit(module),
         "optimizer_type": type(trainer.optimizers[0]).__name__,
-        # This rank's own folder only: another rank may still be removing its folder in its own teardown.
-        "swap_files_after": [f for f in _files_under(swap) if re.search(rf"-rank{rank}(-|/|$)", f)]
-        if os.path.isdir(swap) else [],
+        "swap_files_while_sharded": own_swap_files(),  # the module stays sharded after fit: its shards live there
     }
+    from zlightning.zero import engine_of, unshard_module
+
+    unshard_module(engine_of(module))  # a plain module again: the swap files go with the engine
+    out["swap_files_after"] = own_swap_files()
+    return out
 
 
 def _fit_phases(rank: int, world: int, root: str) -> list[dict[str, Any]]:
@@ -154,7 +161,8 @@ def _fit_phases(rank: int, world: int, root: str) -> list[dict[str, Any]]:
 def test_lightning_nvme_offload_checkpoint_resume_and_tensorboard(tmp_path: Path) -> None:
     out = run_distributed(_fit_phases, 2, str(tmp_path), init_process_group=False, timeout=400)
     for (p, _, r, cpu) in out:
-        assert r["optimizer_type"] == cpu["optimizer_type"] == "AdamW"  # the user's optimizer, state restored
+        assert r["optimizer_type"] == "OffloadedAdam"  # the module stays sharded: its state stays offloaded
+        assert r["swap_files_while_sharded"] and not cpu["swap_files_while_sharded"]
         assert r["swap_files_after"] == []
         for name, value in p["state"].items():
             torch.testing.assert_close(r["state"][name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -138,7 +138,11 @@ def _lightning_meta(rank: int, world: int) -> dict[str, Any]:
     trainer = pl.Trainer(strategy="zstack_zero3", accelerator="cpu", devices=world, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(16, 32)), batch_size=2))
-    return {"device": str(module.net.head.weight.device), "finite": bool(torch.isfinite(module.net.head.weight).all())}
+    from zlightning.zero import summon_full_params
+
+    with summon_full_params(module):
+        head = module.net.head.weight
+        return {"device": str(head.device), "finite": bool(torch.isfinite(head).all())}
 
 
 def test_lightning_configure_model_is_sharded_init() -> None:

@@ -46,7 +46,10 @@ def _fit(rank: int, world: int, strategy_kwargs: dict[str, Any]) -> dict[str, An
     )
     trainer.fit(module, train_dataloaders=loader(N_BATCHES, 2, world))
     tp = strategy.tensor_parallel_size > 1
-    state = tp_full_state(module.model) if tp else {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    from zlightning.zero import summon_full_params
+
+    with summon_full_params(module):  # the module stays sharded after fit
+        state = tp_full_state(module.model) if tp else {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     return {"losses": module.losses, "state": state, "graphs": graphs}
 
 

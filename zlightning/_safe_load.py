@@ -118,6 +118,7 @@ def load_file(
     weights_only: bool | None = None,
     opt_in: str | None,
     map_location: Any = "cpu",
+    mmap: bool = False,
 ) -> Any:
     """``torch.load`` that never runs code from the file unless the caller opted in. See [Note: what loading trusts].
 
@@ -127,14 +128,15 @@ def load_file(
         opt_in: how the user of the calling entry point opts in (named in the error); None for a format that holds
             only plain data and so has no opt-in.
         map_location: as ``torch.load``.
+        mmap: as ``torch.load``: tensors are views of the memory-mapped file (read on use).
 
     Raises:
         UnsafeCheckpointError: the file names a type weights-only loading refuses (nothing from it was called).
     """
     if weights_only is False:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         how = (
             f"If you trust where this checkpoint comes from, load it with {opt_in}."

@@ -121,16 +121,27 @@ class CompressionCallback(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning tears the strategy down before ``on_fit_end``: DDP has unwrapped the module and ``zstack_zero3``
-        # has restored full parameters on every rank, so every rank cleans its own full copy without collectives.
+        # Lightning tears the strategy down before ``on_fit_end``: DDP has unwrapped the module. ``zstack_zero3``
+        # keeps it sharded, but cleaning (which exporting does too) changes the modules' shapes and values, so the
+        # full parameters are restored on every rank first: the result is a cleaned plain model, as under DDP.
         if not (self.clean_at_end or self.export_path):
             return
+        from zlightning.zero import engine_of, unshard_module
+
+        engine = engine_of(pl_module)
+        if engine is not None:
+            unshard_module(engine)
         if self.export_path is not None and trainer.is_global_zero:
-            self.export_report = save_compressed(pl_module, self.export_path)
-            rank_zero_info(f"compressed model saved to {self.export_path}: {self.export_report.file_bytes} bytes, "
-                           f"{self.export_report.ratio:.2f}x smaller than the uncompressed model")
+            self._export(pl_module)
         else:
             redundancy_clean(pl_module)
+
+    def _export(self, pl_module: pl.LightningModule) -> None:
+        if self.export_path is None:
+            raise AssertionError("_export without an export_path")
+        self.export_report = save_compressed(pl_module, self.export_path)
+        rank_zero_info(f"compressed model saved to {self.export_path}: {self.export_report.file_bytes} bytes, "
+                       f"{self.export_report.ratio:.2f}x smaller than the uncompressed model")
 
 
 class WeightQuantization(CompressionCallback):

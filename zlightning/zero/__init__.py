@@ -19,6 +19,7 @@ from zlightning.zero._checkpoint import (
 from zlightning.zero._config import CheckpointPolicy, MixedPrecisionPolicy, ZeroConfig
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, UnsupportedConfigError, from_deepspeed_config
 from zlightning.zero._estimate import MemoryEstimate, estimate_zero_memory
+from zlightning.zero._export import StateDictWriter, iter_full_state_dict, save_full_state_dict, summon_full_params
 from zlightning.zero._optimizer import (
     DeepSpeedZeroOptimizer_Stage3,
     DynamicLossScaler,
@@ -39,7 +40,7 @@ from zlightning.zero._sharded_checkpoint import (
 )
 from zlightning.zero._offload_config import CPUOffload, NVMeOffload, OffloadPolicy
 from zlightning.zero._offload_optimizer import OffloadedAdam
-from zlightning.zero._state import ZeroState
+from zlightning.zero._state import ZeroState, engine_of
 from zlightning.zero._swap import SwapState, SwapStateError
 from zlightning.zero._swap_io import SwapCorruptionError, SwapPathError, SwapSpaceError
 
@@ -60,6 +61,7 @@ __all__ = [
     "DeepSpeedSettings",
     "DeepSpeedZeroOptimizer_Stage3",
     "DynamicLossScaler",
+    "StateDictWriter",
     "LossScalerConfig",
     "MemoryEstimate",
     "MemoryReport",
@@ -73,16 +75,20 @@ __all__ = [
     "consolidate",
     "clip_grad_norm_",
     "from_deepspeed_config",
+    "engine_of",
     "estimate_zero_memory",
     "full_optim_state_dict",
     "full_state_dict",
     "global_grad_norm",
     "is_sharded_checkpoint",
+    "iter_full_state_dict",
     "load_full_optim_state_dict",
     "load_full_state_dict",
     "load_sharded",
     "memory_report",
+    "save_full_state_dict",
     "save_sharded",
+    "summon_full_params",
     "unshard_module",
     "zero3_shard",
 ]

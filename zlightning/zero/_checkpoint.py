@@ -19,7 +19,7 @@ from torch import nn
 
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import ZeroParamGroup
-from zlightning.zero._state import ZeroState
+from zlightning.zero._state import ZeroState, engine_of
 
 __all__ = [
     "full_optim_state_dict",
@@ -45,8 +45,17 @@ def _is_rank0(state: ZeroState) -> bool:
     return state.rank == 0
 
 
-def full_state_dict(state: ZeroState, *, rank0_only: bool = False, cpu: bool = True) -> dict[str, Any]:
-    """The unsharded model's ``state_dict()`` (fp32 masters), assembled group by group. Collective."""
+def full_state_dict(state: ZeroState | nn.Module, *, rank0_only: bool = False, cpu: bool = True) -> dict[str, Any]:
+    """The unsharded model's ``state_dict()`` (fp32 masters), assembled group by group. Collective.
+
+    ``state`` is the engine or the module it shards. The result holds the whole model on every receiving rank: to
+    write it to disk without that, use ``save_full_state_dict``.
+    """
+    if isinstance(state, nn.Module):
+        engine = engine_of(state)
+        if engine is None:
+            raise ValueError(f"full_state_dict: {type(state).__name__} is not sharded by zlightning's ZeRO engine")
+        state = engine
     base = state.root.state_dict()  # pieces under parameter keys; buffers and extra state as they are
     keep = not rank0_only or _is_rank0(state)
     fulls: dict[str, torch.Tensor] = {}
@@ -105,8 +114,11 @@ def load_full_state_dict(state: ZeroState, state_dict: Mapping[str, Any], strict
     state.on_optimizer_step()  # gathered copies are stale
 
 
-def remap_optimizer(state: ZeroState, optimizer: torch.optim.Optimizer) -> None:
-    """Re-points an optimizer built over the full parameters to their shard pieces (in place).
+def remap_optimizer(
+    state: ZeroState, optimizer: torch.optim.Optimizer, stand_ins: Mapping[int, ZeroParam] | None = None
+) -> None:
+    """Re-points an optimizer built over the full parameters (or over ``stand_ins``, see
+    ``ZeroState.full_shape_stand_ins``) to their shard pieces (in place).
 
     Raises:
         ValueError: the optimizer already holds state (it must be fresh so that state shapes match the pieces).
@@ -118,6 +130,7 @@ def remap_optimizer(state: ZeroState, optimizer: torch.optim.Optimizer) -> None:
             "sharding with load_full_optim_state_dict)."
         )
     by_original = {id(zp.original): zp.piece for zp in state.params}
+    by_original.update({key: zp.piece for key, zp in (stand_ins or {}).items()})
     for group in optimizer.param_groups:
         group["params"][:] = [by_original.get(id(p), p) for p in group["params"]]
     optimizer.state.clear()

@@ -6,11 +6,22 @@ stream: the side stream first waits for the current stream (the input was produc
 on the side stream, and ``CommHandle.wait`` makes the current stream wait for the side stream before the output is
 used. Tensors crossing streams are recorded with ``record_stream`` so the caching allocator does not reuse them early.
 On CPU (gloo) there are no streams: ``async_op=True`` already runs the collective on gloo's own threads.
+
+[Note: in-place collectives on the host]
+Both collectives work in place on buffers the engine owns: the all-gather reads this rank's shard from its own chunk
+of the output, and the reduce-scatter leaves this rank's reduced chunk inside the input (the result is a view of
+it). NCCL does this natively (``all_gather_into_tensor`` / ``reduce_scatter_tensor``). gloo's versions of those two
+ops copy through temporaries as large as the whole buffer (two of them for the reduce-scatter) and are slower than
+gloo's own point-to-point-based primitives; measured on 2 and 4 CPU ranks at 4-16 MB per collective, one
+``broadcast`` per rank chunk into the output is 1.3-2.9x faster than ``all_gather_into_tensor`` and one ``reduce``
+per chunk to its owner is 1.7-2.3x faster than ``reduce_scatter_tensor``, and neither allocates more than one chunk.
+So on host tensors the collectives are composed of per-chunk broadcasts and reduces (issued back to back, waited
+together); every rank issues them in the same order, as gloo requires.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,19 +46,19 @@ class CommStreams:
 class CommHandle:
     """An in-flight collective: wait before reading ``output``."""
 
-    work: dist.Work | None
+    works: list[dist.Work]
     output: torch.Tensor
     stream: torch.cuda.Stream | None = None
-    source: torch.Tensor | None = None  # the input, kept alive until the collective completes
+    sources: tuple[torch.Tensor, ...] = field(default=())  # inputs kept alive until the collective completes
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        for work in self.works:
+            work.wait()
+        self.works = []
         if self.stream is not None:
             torch.cuda.current_stream(self.output.device).wait_stream(self.stream)
             self.stream = None
-        self.source = None
+        self.sources = ()
         return self.output
 
 
@@ -60,43 +71,65 @@ def _issue(stream: torch.cuda.Stream | None, inputs: tuple[torch.Tensor, ...]) -
     return torch.cuda.stream(stream)
 
 
-def all_gather_into(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    *,
-    async_op: bool,
-    stream: torch.cuda.Stream | None = None,
-) -> CommHandle:
-    """All-gathers the equal-sized ``shard`` of every rank into ``output`` (rank-major, ``world * shard.numel()``)."""
-    ctx = _issue(stream, (output, shard))
-    if ctx is None:
-        work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
-    else:
-        with ctx:
-            work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
-    handle = CommHandle(work if async_op else None, output, stream, shard)
+def _finish(works: list[dist.Work | None], output: torch.Tensor, stream: torch.cuda.Stream | None,
+            sources: tuple[torch.Tensor, ...], async_op: bool) -> CommHandle:
+    handle = CommHandle([w for w in works if w is not None] if async_op else [], output, stream, sources)
     if not async_op:
         handle.wait()
     return handle
 
 
-def reduce_scatter_into(
+def all_gather_into(
     output: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool,
+    stream: torch.cuda.Stream | None = None,
+) -> CommHandle:
+    """All-gathers in place: every rank's chunk ``r`` of ``output`` (``world`` equal chunks, rank-major) already
+    holds rank ``r``'s shard on rank ``r``; afterwards every rank holds all of them. See [Note: in-place collectives
+    on the host]."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    chunks = output.chunk(world)
+    if output.device.type == "cpu":
+        works = [dist.broadcast(c, group=group, group_src=r, async_op=async_op) for r, c in enumerate(chunks)]
+        return _finish(works, output, None, (output,), async_op)
+    ctx = _issue(stream, (output,))
+    if ctx is None:
+        works = [dist.all_gather_into_tensor(output, chunks[rank], group=group, async_op=async_op)]
+    else:
+        with ctx:
+            works = [dist.all_gather_into_tensor(output, chunks[rank], group=group, async_op=async_op)]
+    return _finish(works, output, stream, (output,), async_op)
+
+
+def reduce_scatter_into(
     full: torch.Tensor,
     group: dist.ProcessGroup | None,
     *,
     async_op: bool,
+    output: torch.Tensor | None = None,
     stream: torch.cuda.Stream | None = None,
 ) -> CommHandle:
-    """Sums ``full`` (``world * output.numel()``, rank-major) over ranks; each rank receives its own chunk."""
+    """Sums ``full`` (``world`` equal chunks, rank-major) over ranks; each rank receives its own chunk.
+
+    On host tensors the result is chunk ``rank`` of ``full`` itself (the other chunks are left as scratch) and
+    ``output`` is not used; on devices the result is written to ``output`` (required there). See [Note: in-place
+    collectives on the host].
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    chunks = full.chunk(world)
+    if full.device.type == "cpu":
+        works = [dist.reduce(c, group=group, group_dst=r, async_op=async_op) for r, c in enumerate(chunks)]
+        return _finish(works, chunks[rank], None, (full,), async_op)
+    if output is None:
+        raise AssertionError("reduce_scatter_into: a device reduce-scatter needs an output tensor")
     ctx = _issue(stream, (output, full))
     if ctx is None:
-        work = dist.reduce_scatter_single(output, full, group=group, async_op=async_op)
+        works = [dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)]
     else:
         with ctx:
-            work = dist.reduce_scatter_single(output, full, group=group, async_op=async_op)
-    handle = CommHandle(work if async_op else None, output, stream, full)
-    if not async_op:
-        handle.wait()
-    return handle
+            works = [dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)]
+    return _finish(works, output, stream, (output, full), async_op)

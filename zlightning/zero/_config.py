@@ -59,9 +59,10 @@ class ZeroConfig:
     locally across accumulation micro-batches, then reduce-scattered once per optimizer step (less communication,
     more memory)."""
 
-    prefetch_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int | None = None
     """Elements (DeepSpeed ``stage3_prefetch_bucket_size``): how many parameter elements of upcoming units may be
-    gathered ahead of use. 0 disables prefetch."""
+    gathered ahead of use. 0 disables prefetch. None (default): the largest unit's size, so one unit is gathered
+    ahead of the one computing (see [Note: step budgets from units] in ``_state.py``)."""
 
     param_persistence_threshold: int = 100_000
     """Elements (``stage3_param_persistence_threshold``): parameters with at most this many elements stay gathered
@@ -76,9 +77,10 @@ class ZeroConfig:
     """Elements (``stage3_max_live_parameters``): prefetch stops when gathered non-persistent elements would exceed
     this. It bounds prefetch, not the parameters a running unit needs."""
 
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: int | None = None
     """Elements (``reduce_bucket_size``): bound on gradient elements in flight in asynchronous reduce-scatters; past
-    it the oldest is waited for and accumulated."""
+    it the oldest is waited for and accumulated. None (default): the largest unit's size (the reduction of one unit
+    overlaps the backward of the next)."""
 
     overlap_comm: bool = True
     """Run all-gathers (prefetch) and reduce-scatters asynchronously, overlapping compute (``overlap_comm``). When
@@ -97,12 +99,16 @@ class ZeroConfig:
     sync_module_states: bool = True
     """Broadcast parameters and buffers from rank 0 before sharding so every rank starts identical."""
 
+    host_cache: bool = True
+    """When shards live in host memory, serve large CPU tensors (every step's gradients, temporaries, activations)
+    from zlightning's caching host allocator instead of glibc's heaps, so resident memory stays flat at the step's
+    peak instead of growing with fragmentation (see [Note: host memory of a sharded step] in ``_host_memory.py``).
+    Needs the native kernels (``make install``); without them a warning says so and glibc serves everything."""
+
     host_mmap_threshold: int | None = None
-    """Bytes, e.g. ``1 << 20``. When shards live in host memory, fix glibc's mmap threshold at this size so the large
-    blocks a step allocates and frees go back to the OS instead of fragmenting the heap: peak RSS near the sharded
-    ideal, at a step-time cost (every large block is page-faulted afresh; 25% slower on the CPU benchmark). See
-    [Note: why ZeRO on the host sets glibc's mmap threshold] in ``_host_memory.py``. None (default): glibc's own
-    dynamic threshold — fastest, but resident memory can grow to several full models' worth of freed blocks."""
+    """Bytes, e.g. ``1 << 20``: fix glibc's mmap threshold at this size (every large block is mapped and returned to
+    the OS on free). Only for runs without the native kernels (``host_cache`` unavailable): it bounds resident memory
+    at a step-time cost (each large block is page-faulted afresh). None (default): leave glibc alone."""
 
     mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     """Gather and reduce dtypes. The Lightning strategy sets this from ``Trainer(precision=...)``."""
@@ -117,20 +123,28 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"ZeroConfig.stage must be 1, 2 or 3, got {self.stage!r}")
-        for name in ("prefetch_bucket_size", "param_persistence_threshold"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"ZeroConfig.{name} must be an int >= 0 (elements), got {value!r}")
+        value = self.param_persistence_threshold
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"ZeroConfig.param_persistence_threshold must be an int >= 0 (elements), got {value!r}")
+        value = self.prefetch_bucket_size
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(
+                f"ZeroConfig.prefetch_bucket_size must be None (one unit) or an int >= 0 (elements), got {value!r}"
+            )
         cap = self.model_persistence_threshold
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
             raise ValueError(f"ZeroConfig.model_persistence_threshold must be None or an int >= 0, got {cap!r}")
         for name in ("max_live_parameters", "reduce_bucket_size"):
             value = getattr(self, name)
+            if name == "reduce_bucket_size" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ZeroConfig.{name} must be an int > 0 (elements), got {value!r}")
         mmap = self.host_mmap_threshold
         if mmap is not None and (not isinstance(mmap, int) or isinstance(mmap, bool) or not 0 < mmap <= 1 << 30):
             raise ValueError(f"ZeroConfig.host_mmap_threshold must be None or bytes in (0, 1 GiB], got {mmap!r}")
+        if not isinstance(self.host_cache, bool):
+            raise ValueError(f"ZeroConfig.host_cache must be a bool, got {self.host_cache!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"ZeroConfig.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
         if not isinstance(self.overlap_comm, bool):

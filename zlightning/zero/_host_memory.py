@@ -1,20 +1,23 @@
-"""Host-memory hygiene for sharded training on CPU: a fixed glibc mmap threshold.
+"""Host-memory hygiene for sharded training on the CPU: the caching host allocator, or a fixed glibc mmap threshold.
 
-[Note: why ZeRO on the host sets glibc's mmap threshold]
-glibc serves allocations above ``M_MMAP_THRESHOLD`` with their own ``mmap`` and returns them to the OS on free. By
-default the threshold is *dynamic*: every time such a block is freed, the threshold rises to its size (up to 32 MiB),
-so from then on blocks of that size come from the heap and per-thread arenas instead. A ZeRO step allocates and
-frees exactly such blocks over and over (a unit's gathered parameters, its full gradients before the
-reduce-scatter, gloo's staging buffers, module initialisation temporaries), interleaved with long-lived shards; in
-the heap they fragment and are never returned. Measured on a 48-layer 1024-wide MLP at 4 ranks (201 MB of fp32
-parameters): resident memory grew by 650-850 MB per rank after one step (four full models where a quarter is
-sharded) and by up to 225 MB during sharded initialisation; with a fixed 1 MiB threshold, by 118 MB and 55 MB, the
-shards plus gradients plus one unit. The price is speed: every large block is mapped and page-faulted afresh, which
-cost 25% of the step time on the 2-rank CPU benchmark GPT (4.63 s vs 3.70 s, peak RSS 1035 vs 1353 MB per rank).
-So it is opt-in (``ZeroConfig.host_mmap_threshold``, e.g. 1 MiB) for runs near their memory limit; the default leaves
-the allocator alone. The setting is process-wide and only changes how glibc serves large blocks; an explicit
-``MALLOC_MMAP_THRESHOLD_`` environment variable from the user wins. Other C libraries (musl) and other platforms:
-nothing happens. (Reusing the engine's step buffers instead of reallocating them would give both; not done yet.)
+[Note: host memory of a sharded step]
+A ZeRO step on the host allocates and frees blocks of a unit's size dozens of times (gathered parameters, gradients,
+optimizer temporaries), interleaved with long-lived tensors (gradient shards, optimizer state). The engine keeps its
+own step buffers in a pool (``_buffers.py``), but autograd's gradients, the optimizer's temporaries and activations
+still come from the process allocator, and glibc's heaps fragment under that pattern: on a 24 x Linear(1024) model
+on 2 CPU ranks, resident memory grew from 11 to 16 bytes per parameter over 40 steps while 8.9 were live. Two
+remedies, in order of preference:
+
+* the caching host allocator from the native kernels (``ZeroConfig.host_cache``, on by default): large tensors come
+  from mmap'd blocks that are reused, never from glibc's heaps; resident memory is flat at the step's peak and large
+  blocks are not page-faulted again after the first step (see [Note: why a host caching allocator] in
+  ``kernels/csrc/host_cache.cpp``);
+* without the native kernels, ``ZeroConfig.host_mmap_threshold`` (e.g. 1 MiB) fixes glibc's mmap threshold so large
+  blocks are mapped on allocation and unmapped on free: resident memory is exact, but every large block is
+  page-faulted afresh (25-50% slower steps on the CPU benchmarks), so it is opt-in.
+
+Both are process-wide. An explicit ``MALLOC_MMAP_THRESHOLD_`` environment variable from the user wins over the
+threshold; other C libraries (musl) and other platforms: the threshold does nothing.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import warnings
 
-__all__ = ["pin_mmap_threshold"]
+__all__ = ["pin_mmap_threshold", "use_host_cache"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 _pinned: int | None = None
+_warned = False
 
 
 def pin_mmap_threshold(nbytes: int) -> bool:
@@ -46,3 +51,23 @@ def pin_mmap_threshold(nbytes: int) -> bool:
         return False
     _pinned = nbytes
     return True
+
+
+def use_host_cache() -> bool:
+    """Installs the caching host allocator (see the note); warns once and returns False without the native kernels."""
+    global _warned
+    from zlightning.kernels._host_cache import enable_host_cache
+
+    if enable_host_cache():
+        return True
+    if not _warned:
+        _warned = True
+        from zlightning.kernels import _ext
+
+        warnings.warn(
+            f"zlightning: the caching host allocator is unavailable ({_ext.status().reason}), so glibc serves the "
+            "step's large tensors and resident memory can grow with heap fragmentation. Build the native kernels "
+            "(`make install` or `python -m zlightning.kernels._build`), or bound memory at some speed cost with "
+            "ZeroConfig(host_mmap_threshold=1 << 20).",
+            RuntimeWarning, stacklevel=3)
+    return False

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from zlightning.zero._param_group import ZeroParamGroup
     from zlightning.zero._state import ZeroState
 
-__all__ = ["ZeroOffload"]
+__all__ = ["ZeroOffload", "close_swap_files"]
 
 
 def _fp32_bytes(numel: int) -> int:
@@ -87,11 +87,13 @@ class ZeroOffload:
     # ---------------------------------------------------------------- sizing
     @property
     def sub_group_numel(self) -> int:
-        """Elements per optimizer sub-group (the pool's buffer size, aligned)."""
+        """Elements per optimizer sub-group, aligned: ``buffer_size``, or the largest trainable shard when that is
+        smaller (a sub-group never spans two groups, so larger buffers would only hold untouched pages)."""
         policy = self.optimizer_policy
         if not isinstance(policy, NVMeOffload):
             return 0
-        return aligned_numel(policy.buffer_size, torch.float32)
+        largest = max((g.shard_numel for g in self.state.groups if g.requires_grad), default=1)
+        return aligned_numel(min(policy.buffer_size, max(largest, 1)), torch.float32)
 
     def offloaded_param_groups(self) -> list[ZeroParamGroup]:
         return [g for g in self.state.groups if not g.persistent]
@@ -187,7 +189,13 @@ class ZeroOffload:
         if self._closed:
             return
         self._closed = True
-        for swapper in self.swappers():
-            swapper.close()
-        for folder in self.folders:
-            folder.close()
+        close_swap_files(self.swappers(), self.folders)
+
+
+def close_swap_files(swappers: list[Swapper], folders: list[SwapDirectory]) -> None:
+    """Stops swap I/O and removes the folders. Holds no reference to the engine, so it can be the finalizer that runs
+    when an engine (and its module) is garbage collected."""
+    for swapper in swappers:
+        swapper.close()
+    for folder in folders:
+        folder.close()

@@ -65,7 +65,9 @@ class NVMeOffload(OffloadPolicy):
 
     buffer_size: int = 16_777_216
     """Elements per buffer (rounded up to a multiple of ``IO_ALIGNMENT`` bytes). For ``offload_optimizer`` it is
-    the sub-group size; for ``offload_params`` every unit's shard must fit in one buffer."""
+    the largest sub-group size (buffers are made no larger than the largest parameter shard); for
+    ``offload_params`` every unit's shard must fit in one buffer. The pool's host memory is ``buffer_count`` times
+    the buffer size, allocated once."""
 
     block_size: int = 1_048_576
     """Bytes per I/O request handed to the I/O engine (DeepSpeed ``aio.block_size``); a multiple of 4096."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from zlightning.zero._checkpoint import (
 )
 from zlightning.zero._config import ZeroConfig
 from zlightning.zero._offload_optimizer import OffloadedAdam
+from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import GroupState
 from zlightning.zero._state import ParamInitFn, ZeroState
 from zlightning.zero._unit import UnitPolicy
@@ -56,8 +57,11 @@ __all__ = [
 ]
 
 
-def attach_optimizer(state: ZeroState, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Re-points ``optimizer`` to the shard pieces and marks gathered copies stale after each of its steps.
+def attach_optimizer(
+    state: ZeroState, optimizer: torch.optim.Optimizer, *, stand_ins: Mapping[int, ZeroParam] | None = None
+) -> torch.optim.Optimizer:
+    """Re-points ``optimizer`` (built over the full parameters, or over ``stand_ins`` from
+    ``ZeroState.full_shape_stand_ins``) to the shard pieces and marks gathered copies stale after each of its steps.
 
     Returns:
         The optimizer to step: ``optimizer`` itself, or with ``ZeroConfig.offload_optimizer`` an ``OffloadedAdam``
@@ -66,7 +70,7 @@ def attach_optimizer(state: ZeroState, optimizer: torch.optim.Optimizer) -> torc
     Raises:
         ValueError: the optimizer has state already, or offload is on and it is not a plain Adam/AdamW.
     """
-    remap_optimizer(state, optimizer)
+    remap_optimizer(state, optimizer, stand_ins)
     if state.offload is not None and state.config.offload_optimizer is not None:
         optimizer = OffloadedAdam(state, optimizer, state.offload)
     state.optimizer_hooks.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: state.on_optimizer_step()))

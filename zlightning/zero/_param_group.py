@@ -9,8 +9,9 @@ unsharded flat buffer, so gathered parameters are zero-copy views into it; gradi
 [Note: storage lifetime and autograd]
 Gathered full tensors are created with ``Tensor.set_`` on the buffer's storage, so they are not autograd views of the
 buffer and have their own version counters: refilling the buffer (all-gather before backward) does not trip autograd's
-saved-tensor version check. Releasing shrinks the storage to 0 bytes (``untyped_storage().resize_(0)``): tensors that
-autograd saved keep their identity and get their bytes back when the group is gathered again before its backward.
+saved-tensor version check. Releasing leaves the storage with 0 bytes (its memory goes back to the engine's pool, see [Note: why the engine
+pools its step buffers] in ``_buffers.py``): tensors that autograd saved keep their identity and get their bytes back
+when the group is gathered again before its backward.
 
 [Note: gradients through autograd]
 In grad mode the full tensors are the outputs of ``_UnshardFn`` whose inputs are the shard pieces. Autograd calls its
@@ -28,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from zlightning.zero._buffers import StoragePool
 from zlightning.zero._collectives import CommHandle, CommStreams, all_gather_into, reduce_scatter_into
 from zlightning.zero._param import ZeroParam
 
 if TYPE_CHECKING:
     from zlightning.zero._state import ZeroState
 
-__all__ = ["GroupState", "ZeroParamGroup"]
+__all__ = ["GroupState", "PendingReduce", "ZeroParamGroup"]
 
 
 class GroupState(enum.Enum):
@@ -58,6 +60,37 @@ class _UnshardFn(torch.autograd.Function):
         return (None,) * (len(grads) + 1)
 
 
+class FlatGradient:
+    """A group's full gradient laid out flat ([W*S], padding zero) in a storage lent by the engine's pool."""
+
+    def __init__(self, pool: StoragePool, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.pool = pool
+        self.slot: torch.UntypedStorage | None = pool.acquire(numel * dtype.itemsize)
+        self.tensor = torch.empty(0, dtype=dtype, device=device).set_(self.slot, 0, (numel,), (1,))
+
+    def release(self) -> None:
+        """Returns the storage to the pool (the tensor must not be used afterwards)."""
+        if self.slot is not None:
+            self.tensor = self.tensor.new_empty(0)
+            self.pool.release(self.slot)
+            self.slot = None
+
+
+class PendingReduce:
+    """A reduce-scatter in flight: its group, its handle and the buffers it holds until accumulated."""
+
+    def __init__(self, group: ZeroParamGroup, handle: CommHandle, held: list[FlatGradient]) -> None:
+        self.group = group
+        self.handle = handle
+        self.held = held
+
+    def finish(self) -> None:
+        """Waits, accumulates the result into the group's gradient shard and returns the buffers to the pool."""
+        self.group.accumulate(self.handle.wait())
+        for buf in self.held:
+            buf.release()
+
+
 class ZeroParamGroup:
     """Owns a flat fp32 shard, its gradient, and the unsharded buffer of a set of parameters."""
 
@@ -69,7 +102,7 @@ class ZeroParamGroup:
     shard_numel: int  # S
     shard: torch.Tensor  # [S] master dtype; pieces are views
     grad: torch.Tensor | None  # [S] fp32 accumulated gradient (pieces' .grad are views)
-    buffer: torch.Tensor  # [W*S] param dtype; storage is 0 bytes while SHARDED
+    storage: torch.UntypedStorage  # the gathered buffer's storage: same object always, 0 bytes while SHARDED
     status: GroupState
     stale: bool  # gathered data predates the last optimizer step
 
@@ -95,7 +128,8 @@ class ZeroParamGroup:
         self._autograd_fulls: tuple[torch.Tensor, ...] | None = None
         self._fulls_pass = -1
         self.pending_backward = 0
-        self.unsynced: torch.Tensor | None = None  # [W*S] full gradients summed while gradient sync is off
+        self.unsynced: FlatGradient | None = None  # [W*S] full gradients summed while gradient sync is off
+        self._lent: torch.UntypedStorage | None = None  # the pool's token for the bytes in ``storage``
         self._fresh: list[ZeroParam] = []  # pieces whose .grad this backward created (see ZeroState.finish_backward)
         self._build_shard()
 
@@ -125,12 +159,23 @@ class ZeroParamGroup:
         for p in self.params:
             p.bind_piece(self.shard, start)
             p.release_original_storage()
-        self.buffer = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.device)
-        self._free_buffer()
+        self.storage = torch.empty(0, dtype=torch.uint8, device=self.device).untyped_storage()
 
     @property
     def unsharded_bytes(self) -> int:
-        return self.world * self.shard_numel * self.buffer.element_size()
+        return self.world * self.shard_numel * self.param_dtype.itemsize
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The gathered flat buffer [W*S] in the compute dtype (only while GATHERING or UNSHARDED)."""
+        if self.storage.nbytes() < self.unsharded_bytes:
+            raise AssertionError(f"{self!r}: the gathered buffer is not allocated (state {self.status})")
+        flat = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        return flat.set_(self.storage, 0, (self.world * self.shard_numel,), (1,))
+
+    @property
+    def pool(self) -> StoragePool:
+        return self.state.pool
 
     # ---------------------------------------------------------------- all-gather
     def start_gather(self, async_op: bool) -> None:
@@ -140,18 +185,18 @@ class ZeroParamGroup:
         offload = self.state.offload
         if offload is not None:
             offload.before_gather(self)  # the shard may live on disk: see _offload_params.py
-        self.buffer.untyped_storage().resize_(self.unsharded_bytes)
-        src = self.shard if self.param_dtype == self.master_dtype else self.shard.to(self.param_dtype)
+        self._lent = self.pool.lend_into(self.storage, self.unsharded_bytes)
+        buffer = self.buffer
+        buffer[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel].copy_(self.shard)  # casts
         streams: CommStreams = self.state.streams
         if self.world == 1:
-            self.buffer.copy_(src)
             self._handle = None
             self.status = GroupState.UNSHARDED
             if offload is not None:
                 offload.after_gather(self)
         else:
             self._handle = all_gather_into(
-                self.buffer, src, self.state.process_group, async_op=async_op, stream=streams.all_gather
+                buffer, self.state.process_group, async_op=async_op, stream=streams.all_gather
             )
             self.status = GroupState.GATHERING
         self.stale = False
@@ -186,14 +231,15 @@ class ZeroParamGroup:
         self._fulls_pass = -1
 
     def _free_buffer(self) -> None:
-        # On CUDA the caching allocator is stream-ordered: kernels already queued on the compute stream finish
-        # before the block is reused there, and the all-gather stream's use was recorded (see _collectives.py).
-        self.buffer.untyped_storage().resize_(0)
+        # On CUDA the pool's next borrower writes on the compute stream (ordered after the kernels already queued
+        # there) or on a side stream that first waits for the compute stream (see _collectives.py).
+        self.pool.take_back(self.storage, self._lent)
+        self._lent = None
 
     # ---------------------------------------------------------------- module slots
     def full_tensors(self) -> list[torch.Tensor]:
         """Fresh full-shape tensors over the buffer's storage (see [Note: storage lifetime and autograd])."""
-        storage = self.buffer.untyped_storage()
+        storage = self.storage
         out = []
         with torch.inference_mode(False):
             for p in self.params:
@@ -225,26 +271,32 @@ class ZeroParamGroup:
             self._installed = False
 
     # ---------------------------------------------------------------- gradients
-    def pack_gradients(self, grads: tuple[torch.Tensor | None, ...], reduce_dtype: torch.dtype) -> torch.Tensor:
-        """Full gradients -> one flat [W*S] buffer in ``reduce_dtype`` (zeros for missing gradients and padding)."""
-        flat = torch.empty(self.world * self.shard_numel, dtype=reduce_dtype, device=self.device)
+    def pack_gradients(self, grads: tuple[torch.Tensor | None, ...], reduce_dtype: torch.dtype) -> FlatGradient:
+        """Full gradients -> one flat [W*S] pool buffer in ``reduce_dtype`` (zeros for missing gradients and
+        padding)."""
+        flat = FlatGradient(self.pool, self.world * self.shard_numel, reduce_dtype, self.device)
+        out = flat.tensor
         for p, g in zip(self.params, grads):
-            dst = flat[p.offset : p.offset + p.numel]
+            dst = out[p.offset : p.offset + p.numel]
             if g is None:
                 dst.zero_()
             else:
                 dst.copy_(g.reshape(-1))
-        flat[self.numel :].zero_()
+        out[self.numel :].zero_()
         return flat
 
-    def start_reduce_scatter(self, flat: torch.Tensor, async_op: bool) -> CommHandle:
-        out = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
+    def start_reduce_scatter(self, flat: FlatGradient, async_op: bool) -> PendingReduce:
+        """Issues the reduce-scatter of a packed gradient (already divided for averaging)."""
         if self.world == 1:
-            out.copy_(flat)
-            return CommHandle(None, out)
-        return reduce_scatter_into(
-            out, flat, self.state.process_group, async_op=async_op, stream=self.state.streams.reduce_scatter
-        )
+            return PendingReduce(self, CommHandle([], flat.tensor), [flat])
+        held = [flat]
+        out = None
+        if flat.tensor.device.type != "cpu":  # devices reduce into a separate output; see _collectives.py
+            held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
+            out = held[-1].tensor
+        handle = reduce_scatter_into(flat.tensor, self.state.process_group, async_op=async_op, output=out,
+                                     stream=self.state.streams.reduce_scatter)
+        return PendingReduce(self, handle, held)
 
     def accumulate(self, reduced: torch.Tensor) -> None:
         """Adds an averaged reduce-scatter result into the pieces' gradients (creating them where absent)."""
@@ -262,11 +314,11 @@ class ZeroParamGroup:
             elif not _is_view_of(g, view):
                 own = False
         if own:
-            self.grad.add_(reduced.to(self.master_dtype))
+            self.grad.add_(reduced)  # in place: a bf16 result is added into the fp32 gradient without a copy
             return
         for p in self.params:  # a user replaced some .grad tensors: add piece by piece
             lo, hi = p.local_start - base, p.local_end - base
-            p.piece.grad.add_(reduced[lo:hi].to(self.master_dtype))  # type: ignore[union-attr]
+            p.piece.grad.add_(reduced[lo:hi])  # type: ignore[union-attr]
 
     def take_fresh(self) -> list[ZeroParam]:
         fresh, self._fresh = self._fresh, []

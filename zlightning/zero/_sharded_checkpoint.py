@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from zlightning._safe_load import LIGHTNING_OPT_IN, join_client_state, load_file, split_client_state
+from zlightning.zero._export import LazyTensor, save_full_state_dict, save_streaming
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._state import ZeroState
 
@@ -115,14 +116,15 @@ def _per_element(value: Any, zp: ZeroParam, key: str) -> bool:
 
 
 def _local_optimizer_payload(state: ZeroState, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state: flat per (group, key) tensors in shard layout, and per-parameter scalars."""
+    """This rank's optimizer state: flat per (group, key) tensors in shard layout, and per-parameter scalars. The
+    flats are `LazyTensor` s, assembled one at a time as the file is written (no copy of the whole state)."""
     sd = optimizer.state_dict()
     index = _optimizer_index(state, optimizer)
     where = {zp.index: i for i, zp in enumerate(index) if zp is not None}
-    flats: dict[str, dict[str, torch.Tensor]] = {}
+    flats: dict[str, dict[str, LazyTensor]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for gi, group in enumerate(state.groups):
-        base = group.rank * group.shard_numel
+        members: dict[str, list[tuple[ZeroParam, torch.Tensor]]] = {}
         for zp in group.params:
             entry = sd["state"].get(where.get(zp.index, -1))
             if not entry:
@@ -130,16 +132,26 @@ def _local_optimizer_payload(state: ZeroState, optimizer: torch.optim.Optimizer)
             scalars[str(zp.index)] = {k: v for k, v in entry.items() if not _per_element(v, zp, k)}
             for key, value in entry.items():
                 if _per_element(value, zp, key):
-                    flat = flats.setdefault(str(gi), {}).setdefault(
-                        key, torch.zeros(group.shard_numel, dtype=value.dtype, device="cpu")
-                    )
-                    flat[zp.local_start - base : zp.local_end - base].copy_(value)
+                    members.setdefault(key, []).append((zp, value))
+        for key, pieces in members.items():
+            flats.setdefault(str(gi), {})[key] = LazyTensor(
+                (group.shard_numel,), pieces[0][1].dtype, lambda group=group, pieces=pieces: _flat_of(group, pieces)
+            )
     return {
         "param_groups": sd["param_groups"],
         "param_index": [zp.index if zp is not None else None for zp in index],
         "flats": flats,
         "scalars": scalars,
     }
+
+
+def _flat_of(group: Any, pieces: list[tuple[ZeroParam, torch.Tensor]]) -> torch.Tensor:
+    """One optimizer-state tensor of a group in shard layout (zeros where a parameter has none)."""
+    base = group.rank * group.shard_numel
+    flat = torch.zeros(group.shard_numel, dtype=pieces[0][1].dtype)
+    for zp, value in pieces:
+        flat[zp.local_start - base : zp.local_end - base].copy_(value)
+    return flat
 
 
 def _collective_name(state: ZeroState, path: Path) -> str:
@@ -168,28 +180,27 @@ def save_sharded(
             [Note: described hyper-parameters] in ``zlightning/_safe_load.py``).
         save_full_weights: also gather a consolidated model state dict into ``full_weights.pt``.
     """
-    from zlightning.zero._checkpoint import full_state_dict
-
     path = Path(path)
     tmp = path.parent / _collective_name(state, path)
     tmp.mkdir(parents=True, exist_ok=True)
-    with state.resident():  # parameter offload: read back from the swap files
-        shards = [g.shard.detach().cpu().clone() for g in state.groups]
     payload = {
-        "shards": shards,
+        "shards": [LazyTensor((g.shard_numel,), g.master_dtype, lambda g=g: g.shard.detach().cpu())
+                   for g in state.groups],
         "optimizers": [_local_optimizer_payload(state, opt) for opt in optimizers],
     }
     if state.rank == 0:
         payload[BUFFERS] = _buffers(state)
     rank_path = tmp / _rank_file(state.rank)
-    torch.save(payload, rank_path)
+    with state.resident():  # parameter offload: read back from the swap files while they are written
+        save_streaming(payload, rank_path)  # one tensor at a time: the save needs no copy of the state
     digests: list[Any] = [None] * state.world_size
     mine = _sha256(rank_path)
     if state.world_size > 1:
         dist.all_gather_object(digests, mine, group=state.process_group)
     else:
         digests = [mine]
-    full = full_state_dict(state, rank0_only=True) if save_full_weights else None
+    if save_full_weights:  # streamed by rank 0, one gathered group at a time
+        save_full_state_dict(state, tmp / FULL_WEIGHTS)
     if state.rank == 0:
         files = {_rank_file(r): d for r, d in enumerate(digests)}
         plain, originals = split_client_state(client_state or {})
@@ -198,8 +209,7 @@ def save_sharded(
         if originals:
             torch.save(originals, tmp / OBJECTS)
             files[OBJECTS] = _sha256(tmp / OBJECTS)
-        if full is not None:
-            torch.save(full, tmp / FULL_WEIGHTS)
+        if save_full_weights:
             files[FULL_WEIGHTS] = _sha256(tmp / FULL_WEIGHTS)
         meta = {
             "format": FORMAT,
@@ -451,8 +461,10 @@ def consolidate(
     progress: bool = True,
     weights_only: bool | None = None,
 ) -> Path:
-    """Writes one plain ``state_dict`` file (``.pt``, or ``.safetensors`` when that package is installed and the
-    name ends so) from a sharded checkpoint, reading one rank file at a time (peak memory ≈ one full model).
+    """Writes one plain ``state_dict`` file (``.pt``, or ``.safetensors`` when the name ends so) from a sharded
+    checkpoint, one parameter at a time: rank files are memory-mapped and each full parameter is assembled, written
+    and dropped, so the process holds about one parameter (see [Note: streaming a state dict to disk] in
+    ``_export.py``), whatever the model's size.
 
     Reads ``meta.json`` and the rank files only (shards, and buffers from rank 0's), weights-only unless
     ``weights_only=False`` (needed only for buffers or extra state that are not plain data); never the client state's
@@ -461,53 +473,52 @@ def consolidate(
     Raises:
         CheckpointError: as ``load_sharded``.
         UnsafeCheckpointError: a file needs full unpickling and ``weights_only`` is not ``False``.
-        ImportError: ``.safetensors`` requested without the ``safetensors`` package.
     """
+    from zlightning.zero._export import StateDictWriter, TensorSpec
+
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     meta = read_metadata(ckpt_dir)
     world = int(meta["world_size"])
     legacy = meta["version"] == 1 and (ckpt_dir / CLIENT).is_file()  # buffers in the client state
     _verify_files(ckpt_dir, meta, [_rank_file(r) for r in range(world)] + ([CLIENT] if legacy else []))
-    fulls: list[torch.Tensor] = []
+    payloads = [
+        load_file(ckpt_dir / _rank_file(r), weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN, mmap=True)
+        for r in range(world)
+    ]
+    buffers: dict[str, Any] = dict(payloads[0].get(BUFFERS, {}))
+    if legacy:
+        buffers = load_file(ckpt_dir / CLIENT, weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN).get(BUFFERS, {})
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    specs = []
     for g in meta["groups"]:
         saved = getattr(torch, g["dtype"])
-        fulls.append(torch.zeros(world * -(-g["numel"] // world), dtype=dtype if saved.is_floating_point else saved))
-    ranks = range(world)
+        target = dtype if saved.is_floating_point else saved
+        specs += [TensorSpec(tuple(p["fqns"]), tuple(p["shape"]), target) for p in g["params"]]
+    specs += [TensorSpec((k,), tuple(v.shape), cast(v).dtype) for k, v in buffers.items() if isinstance(v, torch.Tensor)]
+    groups = list(enumerate(meta["groups"]))
     if progress:
         try:
             from tqdm import tqdm
 
-            ranks = tqdm(ranks, desc=f"consolidating {ckpt_dir.name}", unit="shard")
+            groups = tqdm(groups, desc=f"consolidating {ckpt_dir.name}", unit="group")
         except ImportError:
             pass
-    buffers: dict[str, Any] = {}
-    for r in ranks:
-        payload = load_file(ckpt_dir / _rank_file(r), weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN)
-        for flat, shard in zip(fulls, payload["shards"]):
-            flat[r * shard.numel() : (r + 1) * shard.numel()].copy_(shard)
-        buffers.update(payload.get(BUFFERS, {}))
-        del payload
-    state_dict: dict[str, torch.Tensor] = {}
-    for flat, g in zip(fulls, meta["groups"]):
-        for p in g["params"]:
-            t = flat[p["offset"] : p["offset"] + p["numel"]].view(p["shape"]).clone()
-            for name in p["fqns"]:
-                state_dict[name] = t
-    del fulls
-    if legacy:
-        buffers = load_file(ckpt_dir / CLIENT, weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN).get(BUFFERS, {})
-    state_dict.update(buffers)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file  # raises ImportError with the package's own message
-
-        seen: dict[int, str] = {}
-        unique = {}
-        for name, t in state_dict.items():  # safetensors refuses shared storage: keep the first name of a tie
-            if id(t) not in seen:
-                seen[id(t)] = name
-                unique[name] = t.contiguous()
-        save_file(unique, str(out))
-    else:
-        torch.save(state_dict, out)
-    return out
+    writer = StateDictWriter(out, specs)
+    try:
+        for gi, g in groups:
+            shard = -(-g["numel"] // world)
+            for p in g["params"]:
+                full = _assemble(p["offset"], p["offset"] + p["numel"], shard,
+                                 lambda r, gi=gi: payloads[r]["shards"][gi], getattr(torch, g["dtype"]))
+                writer.write(p["fqns"][0], cast(full).view(p["shape"]))
+                del full
+        for key, value in buffers.items():
+            if isinstance(value, torch.Tensor):
+                writer.write(key, cast(value))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()

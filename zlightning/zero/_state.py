@@ -23,6 +23,15 @@ gradient; at the end of backward one small all-reduce (MAX) of those marks tells
 ``.grad``. A unit that no rank ran, or whose outputs no rank used, issues nothing on any rank. Control flow that uses
 a unit on some ranks and not others cannot be matched without a collective per unit and is not supported (FSDP2 has
 the same rule); the harness's timeouts turn such a hang into a failure.
+
+[Note: step budgets from units]
+DeepSpeed sizes its prefetch and reduce buckets in elements (5e7 and 5e8 by default): on a model of a few hundred
+million parameters that lets the whole model be gathered ahead, and every gradient be in flight at once, so a step
+holds up to two extra full models and the point of sharding is lost. The engine's defaults are in units instead:
+one unit is prefetched ahead of the one computing, and one unit's reduce-scatter stays in flight while the next
+unit's backward runs. That is the overlap there is to have (one collective hides behind one unit's compute), and the
+step's peak beyond the shards is a handful of units (computing, prefetched, its autograd gradients, one reduction in
+flight), whatever the model's size. Explicit sizes (``ZeroConfig`` or a DeepSpeed config) are honoured as given.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +48,29 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from zlightning.zero._collectives import CommHandle, CommStreams
+from zlightning.zero._buffers import StoragePool
+from zlightning.zero._collectives import CommStreams
 from zlightning.zero._config import ZeroConfig, dtype_from_name
-from zlightning.zero._host_memory import pin_mmap_threshold
-from zlightning.zero._offload import ZeroOffload
+from zlightning.zero._host_memory import pin_mmap_threshold, use_host_cache
+from zlightning.zero._offload import ZeroOffload, close_swap_files
 from zlightning.zero._param import ZeroParam
-from zlightning.zero._param_group import GroupState, ZeroParamGroup
+from zlightning.zero._param_group import FlatGradient, GroupState, PendingReduce, ZeroParamGroup
 from zlightning.zero._unit import UnitPolicy, ZeroUnit, select_unit_modules
 
 if TYPE_CHECKING:
     from zlightning.zero._optimizer import ModelParallelGrads
 
-__all__ = ["ParamInitFn", "ZeroState"]
+__all__ = ["ParamInitFn", "ZeroState", "engine_of"]
+
+_ENGINES: weakref.WeakValueDictionary[int, ZeroState] = weakref.WeakValueDictionary()
+"""``id(root module)`` -> the engine that shards it (see `engine_of`). Weak: the module's hooks keep its engine
+alive, and both go together when the module is no longer used (the engine's swap files with them)."""
+
+
+def engine_of(module: nn.Module) -> ZeroState | None:
+    """The engine sharding ``module`` (the root given to ``zero3_shard``), or None when it is not sharded."""
+    engine = _ENGINES.get(id(module))
+    return engine if engine is not None and engine.root is module else None
 
 ParamInitFn = Callable[[nn.Module], None]
 """Initialises one module's own (non-recursive) parameters in place, like ``nn.Linear.reset_parameters``."""
@@ -88,6 +109,8 @@ class ZeroState:
                 "the model is on the meta device: pass device=... (where shards should live) so each rank can "
                 "initialise only its own shards"
             )
+        if self.device.type == "cpu" and config.host_cache:  # see [Note: host memory of a sharded step]
+            use_host_cache()
         if self.device.type == "cpu" and config.host_mmap_threshold is not None:
             pin_mmap_threshold(config.host_mmap_threshold)
         self.meta_init = any(p.is_meta for p in root.parameters())
@@ -106,7 +129,7 @@ class ZeroState:
         self._order: list[ZeroUnit] = []
         self._last_pos: dict[int, int] = {}
         self._last_order: list[ZeroUnit] = []
-        self._pending: collections.deque[tuple[ZeroParamGroup, CommHandle]] = collections.deque()
+        self._pending: collections.deque[PendingReduce] = collections.deque()
         self._pending_numel = 0
         self._used = torch.zeros(0)
         self._reduced_this_backward = False
@@ -115,13 +138,20 @@ class ZeroState:
         self.reduce_scatters = 0  # issued so far (a statistic for tests and reports)
         self._root_handles: list[Any] = []
         self._hooks_suspended = False  # see suspend_module_hooks
+        self._hooks_paused = False  # see paused_hooks
         self.optimizer_hooks: list[Any] = []  # step post-hooks of attached optimizers
         self.offload: ZeroOffload | None = None
         # set by tensor parallelism (see ModelParallelGrads in _optimizer.py): gradient norms also reduce over it
         self.model_parallel: ModelParallelGrads | None = None
+        self.pool = StoragePool(self.device, idle_limit=0)  # see [Note: why the engine pools its step buffers]
         self._build(unit_policy)
+        self.prefetch_budget, self.reduce_budget = self._budgets()
+        self.pool.idle_limit = self._pool_limit()
         if config.offload_optimizer is not None or config.offload_params is not None:
             self.offload = ZeroOffload(self)  # see [Note: what is offloaded where] in _offload.py
+            # swap files never outlive the engine (which lives as long as its module)
+            weakref.finalize(self, close_swap_files, self.offload.swappers(), list(self.offload.folders))
+        _ENGINES[id(root)] = self
 
     # ================================================================ construction
     def _build(self, unit_policy: UnitPolicy | None) -> None:
@@ -254,6 +284,19 @@ class ZeroState:
             child_units = units + [unit_of_module[id(child)]] if id(child) in unit_of_module else units
             self._walk(child, f"{prefix}{name}.", child_units, unit_of_module, owners, objects)
 
+    def _budgets(self) -> tuple[int, int]:
+        """Elements of prefetch and of reduce-scatters in flight (see [Note: step budgets from units])."""
+        largest = max((u.numel for u in self.units if not u.is_root), default=0) or self.units[0].numel
+        prefetch = self.config.prefetch_bucket_size
+        reduce = self.config.reduce_bucket_size
+        return (largest if prefetch is None else prefetch), (largest if reduce is None else reduce)
+
+    def _pool_limit(self) -> int:
+        """Idle bytes the buffer pool keeps: what one step of units needs at its peak, so nothing is reallocated."""
+        sizes = sorted((g.unsharded_bytes for g in self.groups if not g.persistent), reverse=True)
+        window = 4 * (self.prefetch_budget + self.reduce_budget) + sum(sizes[:4])
+        return window + sum(g.unsharded_bytes for g in self.groups if g.persistent)
+
     def _new_group(self, params: list[ZeroParam], persistent: bool) -> ZeroParamGroup:
         group = ZeroParamGroup(params, self, persistent=persistent, param_dtype=self.param_dtype)
         self.groups.append(group)
@@ -297,6 +340,36 @@ class ZeroState:
         self._depth = 0
         self._hooks_suspended = True
 
+    @contextlib.contextmanager
+    def full_shape_stand_ins(self) -> Iterator[dict[int, ZeroParam]]:
+        """Module slots hold meta-device parameters of the full shapes inside the block (no memory), so code that
+        builds optimizers from ``module.parameters()`` sees ``p.ndim``/``p.shape`` as unsharded; yields
+        ``id(stand_in) -> ZeroParam`` for `attach_optimizer`. The pieces are back in the slots afterwards."""
+        stand_ins: dict[int, ZeroParam] = {}
+        for zp in self.params:
+            p = nn.Parameter(torch.empty(zp.shape, dtype=zp.dtype, device="meta"), requires_grad=zp.requires_grad)
+            stand_ins[id(p)] = zp
+            zp.install(p)
+        try:
+            yield stand_ins
+        finally:
+            for zp in self.params:
+                zp.install(zp.piece)
+
+    @contextlib.contextmanager
+    def paused_hooks(self) -> Iterator[None]:
+        """The engine's module hooks do nothing inside the block (the caller installed full parameters itself)."""
+        if self._pending:
+            raise RuntimeError("paused_hooks: call it between steps (reduce-scatters are in flight)")
+        self.release_all(keep_persistent=False)
+        self._pass_open = False
+        self._depth = 0
+        self._hooks_paused = True
+        try:
+            yield
+        finally:
+            self._hooks_paused = False
+
     def resume_module_hooks(self) -> None:
         """Undoes `suspend_module_hooks` (the engine gathers and releases around modules again)."""
         if self._hooks_suspended:
@@ -306,7 +379,7 @@ class ZeroState:
     # ================================================================ passes and forward hooks
     def begin_pass(self) -> None:
         """Starts a pass (nested calls only count depth): gathers and installs root and persistent groups."""
-        if self._hooks_suspended:
+        if self._hooks_suspended or self._hooks_paused:
             return
         self._depth += 1
         if self._depth > 1:
@@ -315,7 +388,7 @@ class ZeroState:
         self._ensure_root()
 
     def end_pass(self) -> None:
-        if self._hooks_suspended:
+        if self._hooks_suspended or self._hooks_paused:
             return
         self._depth = max(self._depth - 1, 0)
         if self._depth > 0:
@@ -342,6 +415,8 @@ class ZeroState:
         self._pass_open = True
 
     def _ensure_root(self) -> None:
+        if self._hooks_paused:
+            return
         if not self._pass_open:
             self._open_pass()
         for g in self.units[0].groups + self.persistent_groups:
@@ -350,6 +425,8 @@ class ZeroState:
                 g.install(self._pass_id)
 
     def unit_pre_forward(self, unit: ZeroUnit) -> None:
+        if self._hooks_paused:
+            return
         if not self._pass_open:
             self._open_pass()
             self._ensure_root()
@@ -366,11 +443,15 @@ class ZeroState:
                 self._prefetch(self._last_order[pos + 1 :])
 
     def unit_post_forward(self, unit: ZeroUnit) -> None:
+        if self._hooks_paused:
+            return
         if torch.is_grad_enabled() and not self.config.reshard_after_forward:
             return  # kept for backward: see ZeroConfig.reshard_after_forward
         unit.reshard()
 
     def unit_pre_backward(self, unit: ZeroUnit) -> None:
+        if self._hooks_paused:
+            return
         self._queue_finish()
         if self.offload is not None and unit in self._order:
             pos = self._order.index(unit)
@@ -381,7 +462,7 @@ class ZeroState:
             self._prefetch(list(reversed(self._order[:pos])))
 
     def _prefetch(self, upcoming: list[ZeroUnit]) -> None:
-        budget = self.config.prefetch_bucket_size
+        budget = self.prefetch_budget
         live = sum(g.world * g.shard_numel for g in self.groups if not g.persistent and g.status is not GroupState.SHARDED)
         for unit in upcoming:
             if budget <= 0:
@@ -407,36 +488,36 @@ class ZeroState:
         for zp, g in zip(group.params, grads):
             if g is not None:
                 self._used[zp.index] = 1.0
+        group.pending_backward = max(group.pending_backward - 1, 0)
+        if group.pending_backward == 0 and not group.persistent and not self._is_root_group(group):
+            group.reshard()  # before packing: the packed gradient can take the gathered buffer's pool slot
         flat = group.pack_gradients(grads, self.reduce_dtype)
         if group.unsynced is not None:
-            flat.add_(group.unsynced)
+            flat.tensor.add_(group.unsynced.tensor)
+            group.unsynced.release()
             group.unsynced = None
         if self.gradient_sync:
             self._reduce(group, flat)
         else:
             group.unsynced = flat
-        group.pending_backward = max(group.pending_backward - 1, 0)
-        if group.pending_backward == 0 and not group.persistent and not self._is_root_group(group):
-            group.reshard()
 
-    def _reduce(self, group: ZeroParamGroup, flat: torch.Tensor) -> None:
+    def _reduce(self, group: ZeroParamGroup, flat: FlatGradient) -> None:
         if self.world_size > 1:
-            flat.div_(self.world_size)
-        handle = group.start_reduce_scatter(flat, async_op=self.config.overlap_comm)
+            flat.tensor.div_(self.world_size)
+        self._pending.append(group.start_reduce_scatter(flat, async_op=self.config.overlap_comm))
         self.reduce_scatters += 1
-        self._pending.append((group, handle))
         self._pending_numel += group.shard_numel
         self._reduced_this_backward = True
-        while len(self._pending) > 1 and self._pending_numel * self.world_size > self.config.reduce_bucket_size:
+        while len(self._pending) > 1 and self._pending_numel * self.world_size > self.reduce_budget:
             self._drain_one()
 
     def _is_root_group(self, group: ZeroParamGroup) -> bool:
         return any(group is g for g in self.units[0].groups)
 
     def _drain_one(self) -> None:
-        group, handle = self._pending.popleft()
-        self._pending_numel -= group.shard_numel
-        group.accumulate(handle.wait())
+        pending = self._pending.popleft()
+        self._pending_numel -= pending.group.shard_numel
+        pending.finish()
 
     def finish_backward(self) -> None:
         """End of backward: finish reduce-scatters, settle unused parameters, release everything non-persistent."""
@@ -513,6 +594,9 @@ class ZeroState:
             self.offload.close()
 
     def remove_hooks(self) -> None:
+        """Detaches the engine from the module for good (hooks removed, swap files deleted)."""
+        if _ENGINES.get(id(self.root)) is self:
+            del _ENGINES[id(self.root)]
         self.close_offload()
         for unit in self.units:
             unit.remove_hooks()

@@ -193,6 +193,7 @@ class Swapper:
     def __init__(self, policy: NVMeOffload, folder: SwapDirectory, direct: bool, *, pin: bool, nbytes: int) -> None:
         self.policy = policy
         self.folder = folder
+        self._closed = False
         self.pool = AlignedBufferPool(policy.buffer_count, nbytes, pin=pin)
         self.reader: SwapIO = make_swap_io(policy, direct)
         self.writer: SwapIO = make_swap_io(policy, direct)
@@ -314,5 +315,9 @@ class Swapper:
         return out
 
     def close(self) -> None:
+        """Stops both I/O handles (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self.reader.close()
         self.writer.close()

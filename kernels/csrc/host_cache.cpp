@@ -1,0 +1,194 @@
+// A caching allocator for large host (CPU) tensors, installed as PyTorch's CPU allocator on request.
+//
+// [Note: why a host caching allocator]
+// glibc serves blocks above its mmap threshold with their own mmap, and below it from heaps; the threshold rises
+// (up to 32 MiB) each time such a block is freed. A training step allocates and frees tensors of a few MiB over and
+// over (autograd's weight gradients, optimizer temporaries, activations), while long-lived tensors (optimizer state,
+// gradient shards) are created in between. In the heap those interleave: a freed block gets a small allocation carved
+// out of it, no longer fits the next block of its size, and the heap grows. Measured on a 24 x Linear(1024) model
+// under ZeRO-3 on 2 CPU ranks, the heap's footprint reached 13-15 bytes per parameter where 8.9 were live, and kept
+// growing step after step. Pinning the mmap threshold low makes the footprint exact but page-faults every large
+// block afresh (34-50% slower steps). CUDA's answer is a caching allocator; this is the host's equivalent:
+//   * blocks of at least `min_bytes` are mapped with mmap (never in glibc's heaps) and rounded up to one of 8 size
+//     classes per power of two (at most 12.5% padding, in pages that are never touched);
+//   * a freed block is kept idle and handed out again for a request of its class or one or two classes smaller
+//     (at most 1.25x its size: a long-lived tensor placed in a much larger block would waste the rest for good);
+//   * smaller requests go to the allocator that was installed before (glibc), where they do no harm.
+// Steady-state resident memory is then the step's peak of live large blocks plus the idle ones, and it stays flat:
+// no block is mapped again once the step's pattern has been seen, which also saves the page faults. Idle blocks are
+// returned to the OS by `host_cache_empty` (the engine calls it after one-off peaks such as checkpointing).
+//
+// Frees can come from any thread; a mutex guards the maps, and fork handlers keep a child process (DataLoader
+// workers) from inheriting it locked.
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <pthread.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace zl {
+namespace {
+
+constexpr size_t kPage = 4096;
+
+size_t size_class(size_t n) {
+  const size_t top = 63 - static_cast<size_t>(__builtin_clzll(n));
+  const size_t step = top >= 3 ? (size_t{1} << (top - 3)) : 1;
+  const size_t rounded = (n + step - 1) / step * step;
+  return (rounded + kPage - 1) / kPage * kPage;
+}
+
+class HostCache final : public c10::Allocator {
+ public:
+  c10::Allocator* base = nullptr;
+  c10::DeleterFnPtr base_raw = nullptr;
+  size_t min_bytes = 0;
+  std::mutex mu;
+  std::map<size_t, std::vector<void*>> idle;  // block size -> idle blocks of that size
+  std::unordered_map<void*, size_t> live;      // block -> its size
+  int64_t live_bytes = 0, idle_bytes = 0, peak_live = 0, mapped = 0, hits = 0, misses = 0;
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < min_bytes) {
+      return base->allocate(n);
+    }
+    void* p = take(n);
+    return {p, p, &HostCache::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &HostCache::release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  void* take(size_t n) {
+    const size_t cls = size_class(n);
+    std::lock_guard<std::mutex> guard(mu);
+    void* p = nullptr;
+    size_t size = cls;
+    auto it = idle.lower_bound(cls);
+    if (it != idle.end() && it->first * 4 <= cls * 5) {
+      size = it->first;
+      p = it->second.back();
+      it->second.pop_back();
+      if (it->second.empty()) {
+        idle.erase(it);
+      }
+      idle_bytes -= static_cast<int64_t>(size);
+      ++hits;
+    } else {
+      p = mmap(nullptr, cls, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      TORCH_CHECK(p != MAP_FAILED, "zlightning host cache: mmap of ", cls,
+                  " bytes failed (out of memory, or the process's memory limit was reached)");
+      mapped += static_cast<int64_t>(cls);
+      ++misses;
+    }
+    live.emplace(p, size);
+    live_bytes += static_cast<int64_t>(size);
+    peak_live = std::max(peak_live, live_bytes);
+    return p;
+  }
+
+  static void release(void* p);
+
+  int64_t empty() {
+    std::lock_guard<std::mutex> guard(mu);
+    int64_t freed = 0;
+    for (auto& [size, blocks] : idle) {
+      for (void* p : blocks) {
+        munmap(p, size);
+        freed += static_cast<int64_t>(size);
+      }
+    }
+    idle.clear();
+    idle_bytes = 0;
+    mapped -= freed;
+    return freed;
+  }
+};
+
+HostCache* g_cache = nullptr;  // never deleted: tensors anywhere may still hold its blocks
+
+void HostCache::release(void* p) {
+  HostCache* c = g_cache;
+  std::unique_lock<std::mutex> guard(c->mu);
+  auto it = c->live.find(p);
+  if (it == c->live.end()) {  // a small block served by the previous allocator (raw_deallocate path)
+    guard.unlock();
+    c->base_raw(p);
+    return;
+  }
+  const size_t size = it->second;
+  c->live.erase(it);
+  c->live_bytes -= static_cast<int64_t>(size);
+  c->idle[size].push_back(p);
+  c->idle_bytes += static_cast<int64_t>(size);
+}
+
+void lock_for_fork() {
+  if (g_cache) g_cache->mu.lock();
+}
+void unlock_after_fork() {
+  if (g_cache) g_cache->mu.unlock();
+}
+
+bool host_cache_enable(int64_t min_bytes) {
+  TORCH_CHECK(min_bytes >= static_cast<int64_t>(kPage), "host_cache_enable: min_bytes must be >= ", kPage,
+              ", got ", min_bytes);
+  if (g_cache == nullptr) {
+    g_cache = new HostCache();
+    pthread_atfork(&lock_for_fork, &unlock_after_fork, &unlock_after_fork);
+  }
+  c10::Allocator* current = c10::GetCPUAllocator();
+  if (current == g_cache) {
+    g_cache->min_bytes = static_cast<size_t>(min_bytes);
+    return false;
+  }
+  g_cache->base = current;
+  g_cache->base_raw = current->raw_deleter();
+  TORCH_CHECK(g_cache->base_raw != nullptr, "host_cache_enable: the current CPU allocator has no raw deleter");
+  g_cache->min_bytes = static_cast<size_t>(min_bytes);
+  c10::SetCPUAllocator(g_cache, /*priority=*/std::numeric_limits<uint8_t>::max());
+  return true;
+}
+
+bool host_cache_disable() {
+  if (g_cache == nullptr || c10::GetCPUAllocator() != g_cache) {
+    return false;
+  }
+  c10::SetCPUAllocator(g_cache->base, /*priority=*/std::numeric_limits<uint8_t>::max());
+  return true;
+}
+
+std::vector<int64_t> host_cache_stats() {
+  if (g_cache == nullptr) {
+    return {0, 0, 0, 0, 0, 0, 0};
+  }
+  std::lock_guard<std::mutex> guard(g_cache->mu);
+  const int64_t enabled = c10::GetCPUAllocator() == g_cache ? 1 : 0;
+  return {enabled, g_cache->live_bytes, g_cache->idle_bytes, g_cache->peak_live, g_cache->mapped, g_cache->hits,
+          g_cache->misses};
+}
+
+int64_t host_cache_empty() { return g_cache == nullptr ? 0 : g_cache->empty(); }
+
+}  // namespace
+}  // namespace zl
+
+TORCH_LIBRARY_FRAGMENT(zlightning, m) {
+  m.def("host_cache_enable(int min_bytes) -> bool", &zl::host_cache_enable);
+  m.def("host_cache_disable() -> bool", &zl::host_cache_disable);
+  m.def("host_cache_stats() -> int[]", &zl::host_cache_stats);
+  m.def("host_cache_empty() -> int", &zl::host_cache_empty);
+}
