@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zlightning-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo demo-short test bench clean
+.PHONY: install demo demo-short test bench gpu-check clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	@echo ">> side-by-side benchmark: DDP, FSDP2, DeepSpeed ZeRO-3 (separate venv), zstack_zero3"
 	$(PY) benchmarks/zero3.py
+
+# Every GPU-marked test and the GPU measurements; writes benchmarks/results/gpu.md. Without a GPU it says so.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache kernels/build

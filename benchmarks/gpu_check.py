@@ -1,0 +1,269 @@
+"""Everything that needs a GPU, in one command (``make gpu-check``): the GPU-marked tests, then GPU measurements.
+
+    .venv/bin/python benchmarks/gpu_check.py            # tests + measurements, writes benchmarks/results/gpu.md
+    .venv/bin/python benchmarks/gpu_check.py --no-tests
+
+Measurements (each in fresh processes, one GPU per rank, NCCL; world = min(2, GPUs)):
+
+* ``zero3_memory``: ZeRO-3 on the states-dominated model (``depth x Linear(width) + Tanh``, AdamW fp32), peak
+  ``torch.cuda.max_memory_allocated`` per parameter after steps 1, 3 and N, against DDP's;
+* ``offload_capped``: a model bigger than a capped device memory fraction (``set_per_process_memory_fraction``)
+  trained with CPU offload and with NVMe offload (optimizer and parameters), losses finite and falling;
+* ``cpu_adam``: CPU Adam stepping fp32 masters on the host from device gradients (``CPUOffload``), step time;
+* ``compile``: ``ZStackZero3Strategy(compile=True)`` through a Lightning Trainer, step time against eager;
+* ``quantize``: the CUDA (Triton when installed) int8/int4 quantize kernels against the CPU reference, GB/s.
+
+Without a CUDA device it says so, lists what it would run, and exits 0 without writing results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+MEASUREMENTS = ("zero3_memory", "offload_capped", "cpu_adam", "compile", "quantize")
+
+
+def _blocks(width: int, depth: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
+
+
+# ---------------------------------------------------------------------------------------------- rank functions
+def _zero3_memory(rank: int, world: int, kind: str, width: int, depth: int, steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from zlightning.zero import DeepSpeedZeroOptimizer_Stage3
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if kind == "ddp":
+            model = nn.parallel.DistributedDataParallel(_blocks(width, depth).cuda(), device_ids=[rank])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        else:
+            with torch.device("meta"):
+                model = _blocks(width, depth)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            zero = DeepSpeedZeroOptimizer_Stage3(model, opt, device=torch.device("cuda", rank))
+        numel = depth * (width * width + width)
+        peaks, times = [], []
+        for _ in range(steps):
+            x = torch.randn(2, width, device="cuda")
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = model(x).pow(2).mean()
+            if kind == "ddp":
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                zero.backward(loss)
+                zero.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            peaks.append((torch.cuda.max_memory_allocated() - base) / numel)
+        return {"peaks": peaks, "median_step_s": statistics.median(times[1:] or times)}
+    finally:
+        dist.destroy_process_group()
+
+
+def _offload_capped(rank: int, world: int, kind: str, width: int, depth: int, fraction: float,
+                    swap: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from zlightning.zero import CPUOffload, DeepSpeedZeroOptimizer_Stage3, NVMeOffload, ZeroConfig
+
+    torch.cuda.set_device(rank)
+    torch.cuda.set_per_process_memory_fraction(fraction, rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = _blocks(width, depth)
+        numel = depth * (width * width + width)
+        config = (ZeroConfig(offload_optimizer=CPUOffload()) if kind == "cpu" else
+                  ZeroConfig(offload_optimizer=NVMeOffload(path=swap), offload_params=NVMeOffload(path=swap)))
+        zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config,
+                                             device=torch.device("cuda", rank))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(4, width, device="cuda", generator=g)
+        losses, times = [], []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = model(x).pow(2).mean()
+            zero.backward(loss)
+            zero.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            losses.append(float(loss))
+        total = torch.cuda.get_device_properties(rank).total_memory
+        zero.close()
+        return {"losses": losses, "median_step_s": statistics.median(times[1:]), "model_fp32_gb": 4 * numel / 1e9,
+                "device_cap_gb": fraction * total / 1e9, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu_adam(rank: int, world: int, width: int, depth: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from zlightning.zero import CPUOffload, DeepSpeedZeroOptimizer_Stage3, ZeroConfig
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        out = {}
+        for kind in ("device", "cpu_adam"):
+            with torch.device("meta"):
+                model = _blocks(width, depth)
+            config = ZeroConfig(offload_optimizer=CPUOffload()) if kind == "cpu_adam" else ZeroConfig()
+            zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config,
+                                                 device=torch.device("cuda", rank))
+            times = []
+            for _ in range(6):
+                x = torch.randn(8, width, device="cuda")
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                zero.backward(model(x).pow(2).mean())
+                zero.step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            out[kind] = statistics.median(times[1:])
+            zero.close()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _compile(rank: int, world: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    import zlightning  # noqa: F401
+    from tests._lightning_models import TinyGPTModule, loader
+    from zlightning.strategies import ZStackZero3Strategy
+
+    out = {}
+    for compiled in (False, True):
+        times: list[float] = []
+
+        class Clock(pl.Callback):
+            def on_train_batch_start(self, *a: Any) -> None:
+                torch.cuda.synchronize()
+                self.t = time.perf_counter()
+
+            def on_train_batch_end(self, *a: Any) -> None:
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - self.t)
+
+        trainer = pl.Trainer(strategy=ZStackZero3Strategy(compile=compiled), accelerator="cuda", devices=world,
+                             max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[Clock()])
+        trainer.fit(TinyGPTModule(), loader(12, 4, world))
+        out["compiled" if compiled else "eager"] = statistics.median(times[4:])
+    return out
+
+
+def _quantize() -> dict[str, Any]:
+    from zlightning.kernels import dequantize, quantize
+
+    out = {}
+    x = torch.randn(64 << 20, device="cuda")
+    for bits in (8, 4):
+        q = quantize(x, bits=bits, group_size=128, symmetric=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            q = quantize(x, bits=bits, group_size=128, symmetric=True)
+        torch.cuda.synchronize()
+        gbps = 10 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
+        ref = quantize(x[: 1 << 20].cpu(), bits=bits, group_size=128, symmetric=True)
+        err = (dequantize(q).flatten()[: 1 << 20].cpu() - dequantize(ref).flatten()).abs().max().item()
+        out[f"int{bits}"] = {"GBps": gbps, "max_abs_diff_vs_cpu": err}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def _run(fn: Any, world: int, *args: Any, init: bool = False) -> list[Any]:
+    from zlightning.testing import run_distributed
+
+    return run_distributed(fn, world, *args, init_process_group=init, timeout=900)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    world = min(2, torch.cuda.device_count())
+    results: dict[str, Any] = {}
+    plan = {
+        "zero3_memory": lambda: {k: _run(_zero3_memory, world, k, 4096, 24, 20)[0] for k in ("ddp", "zero3")},
+        "offload_capped": lambda: {k: _run(_offload_capped, world, k, 8192, 24, args.cap_fraction,
+                                           tempfile.mkdtemp(prefix="zl-gpu-swap-"))[0] for k in ("cpu", "nvme")},
+        "cpu_adam": lambda: _run(_cpu_adam, world, 4096, 16)[0],
+        "compile": lambda: _run(_compile, world)[0],
+        "quantize": _quantize,
+    }
+    for name in args.only or MEASUREMENTS:
+        print(f">> {name}", flush=True)
+        try:
+            results[name] = {"status": "ok", **plan[name]()}
+        except Exception as err:  # noqa: BLE001  (recorded; the other measurements still run)
+            results[name] = {"status": f"failed: {type(err).__name__}: {str(err)[:500]}"}
+        print(f"   {results[name]}", flush=True)
+    return results
+
+
+def _markdown(tests_rc: int | None, results: dict[str, Any]) -> str:
+    dev = torch.cuda.get_device_name(0)
+    lines = [f"# GPU check ({datetime.date.today()}, {torch.cuda.device_count()} x {dev}, torch {torch.__version__})",
+             "", f"GPU-marked tests: {'not run' if tests_rc is None else ('passed' if tests_rc == 0 else 'FAILED')}",
+             ""]
+    for name, r in results.items():
+        lines.append(f"## {name}\n\n```\n{json.dumps(r, indent=1, default=str)}\n```\n")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--no-tests", action="store_true", help="skip the GPU-marked tests")
+    p.add_argument("--only", nargs="+", choices=MEASUREMENTS, help="run only these measurements")
+    p.add_argument("--cap-fraction", type=float, default=0.05,
+                   help="device memory fraction for the capped offload run (the model must not fit in it)")
+    p.add_argument("--out", type=Path, default=BENCH / "results" / "gpu.md")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device on this machine; nothing run. On a GPU machine it runs:")
+        print("  * pytest -m gpu tests   (tests/test_zero3_gpu.py, the CUDA quantize tests, ...)")
+        for name in MEASUREMENTS:
+            print(f"  * {name}")
+        return 0
+    tests_rc = None
+    if not args.no_tests:
+        tests_rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"], cwd=REPO,
+                                  env=dict(os.environ)).returncode
+    results = measure(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(_markdown(tests_rc, results))
+    (args.out.with_suffix(".json")).write_text(json.dumps({"tests_rc": tests_rc, "results": results}, indent=2,
+                                                          default=str))
+    print(f"wrote {args.out}")
+    return 0 if tests_rc in (0, None, 5) and all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
