@@ -6,6 +6,8 @@ an inf injected into one parameter's gradient on ONE rank (stage 0, replica 1) m
 step, keep their weights and halve the scale; the scaler state survives a checkpoint. Then Lightning with
 ``precision="16-mixed"`` (real fp16 autocast on CPU) against the same loop under fp16 autocast.
 
+ZB-H1 (weight gradients in deferred W actions) runs the same loss-scaled steps with the same result.
+
 Regrid: ZeRO-1 state saved on DP2 x PP2 reloads on PP4 (DP1) and on DP2 x PP2 without ZeRO, and the next step equals
 the uninterrupted run's; weights-only reload (no optimizer state) does not, which shows the state was used.
 """
@@ -88,8 +90,8 @@ def _replica_batch(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor) -> 
     return x[d * b : (d + 1) * b], y[d * b : (d + 1) * b]
 
 
-def rank_scaled(rank: int, ckpt: Path) -> dict[str, Any]:
-    config = PipelineConfig(micro_batches=MICRO, zero_stage=1, gradient_clipping=CLIP, loss_scaler=SCALER)
+def rank_scaled(rank: int, ckpt: Path, schedule: str = "1f1b") -> dict[str, Any]:
+    config = PipelineConfig(micro_batches=MICRO, zero_stage=1, gradient_clipping=CLIP, loss_scaler=SCALER, schedule=schedule)  # type: ignore[arg-type]
     module = gpt_pipeline(CFG, num_stages=2)
     engine = PipelineEngine(module, make_sgd, config)
     poison = [False]
@@ -175,6 +177,7 @@ def rank_lightning_fp16(world: int) -> dict[str, Any]:
 def rank_main(rank: int, world: int, scaled_ckpt: str, regrid_ckpt: str) -> dict[str, Any]:
     out = {"lightning": rank_lightning_fp16(world)}
     out["scaled"] = rank_scaled(rank, Path(scaled_ckpt))
+    out["scaled_zb_h1"] = rank_scaled(rank, Path(scaled_ckpt) / "zb_h1", "zb_h1")  # weight gradients in deferred W
     out["regrid"] = rank_regrid(rank, Path(regrid_ckpt))
     return out
 
@@ -190,10 +193,11 @@ def _scaled_ref() -> dict[str, Any]:
     return scaled_reference(data(SCALED_STEPS, seed=11), dp=2, config=SCALER, poison_step=POISON_STEP)
 
 
-def test_loss_scaling_matches_single_process_and_overflow_skips_everywhere(runs: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("key", ["scaled", "scaled_zb_h1"])
+def test_loss_scaling_matches_single_process_and_overflow_skips_everywhere(runs: list[dict[str, Any]], key: str) -> None:
     ref = _scaled_ref()
     assert ref["scales"] == [1024.0, 1024.0, 2048.0, 2048.0, 1024.0]  # the schedule really moves: up, then halved
-    for r in (x["scaled"] for x in runs):
+    for r in (x[key] for x in runs):
         assert r["scales"] == ref["scales"]
         torch.testing.assert_close(r["losses"], ref["losses"], **TOL)
         # every rank skipped exactly the poisoned step, though only rank 1's gradient overflowed
@@ -202,7 +206,7 @@ def test_loss_scaling_matches_single_process_and_overflow_skips_everywhere(runs:
             torch.testing.assert_close(value, r["states"][POISON_STEP - 1][name], rtol=0, atol=0, msg=name)
         assert r["scaler"] == r["reloaded_scaler"] and r["scaler"]["scale"] == ref["final_scale"]
     for step in range(SCALED_STEPS):
-        _check_states([x["scaled"]["states"][step] for x in runs], ref["states"][step])
+        _check_states([x[key]["states"][step] for x in runs], ref["states"][step])
 
 
 def test_lightning_16_mixed_matches_fp16_reference(runs: list[dict[str, Any]]) -> None:

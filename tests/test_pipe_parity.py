@@ -30,6 +30,8 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=4, n_head=4, bias=False)
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv")
+CHUNKS = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
 STEPS, GLOBAL_BATCH, MICRO, LR, CLIP = 3, 8, 4, 1e-3, 0.5
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -145,10 +147,21 @@ def rank_two_stages(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     engine = PipelineEngine(structured_module(num_stages=2), lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2))
     out["structured"] = [float(engine.train_batch(batch=b)) for b in structured_data()]
-    for sched in ("1f1b", "gpipe", "interleaved_1f1b"):
-        kw = {"activation_checkpoint_interval": 1} if sched == "1f1b" else {}
+    for sched in SCHEDULES:
+        kw = {"activation_checkpoint_interval": 1} if sched in ("1f1b", "zb_h1") else {}
         losses, state, engine = _train(2, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), **kw)
         out[sched] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
+        if sched == "zbv":  # a zero-bubble checkpoint resumes into another schedule and split (zb_h1, 2 stages)
+            save_pipeline_checkpoint(engine, f"{ckpt_dir}/zbv")
+            other = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO, schedule="zb_h1", gradient_clipping=CLIP))
+            load_pipeline_checkpoint(other, f"{ckpt_dir}/zbv")
+            x, y = data(1, seed=9)[0]
+            out["zbv_resume"] = (float(engine.train_batch(batch=(x, y))), float(other.train_batch(batch=(x, y))))
+            out["zbv_next"] = ({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+                               {k: v.detach().clone() for k, v in other.module.state_dict().items()})
+        if sched == "interleaved_1f1b":
+            interleaved = engine
+    engine = interleaved
     # eval / predict on the last engine, per-stage checkpoint, resume into a fresh engine
     x, y = data(1, seed=7)[0]
     out["eval"] = float(engine.eval_batch(batch=(x, y)))
@@ -189,17 +202,31 @@ def _check_states(stage_states: list[dict[str, torch.Tensor]], ref: dict[str, to
     assert seen == set(ref), f"parameters never checked: {sorted(set(ref) - seen)}"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_stages_match_single_process(two_stage_runs: Any, schedule: str) -> None:
     runs, _ = two_stage_runs
     ref_losses, ref_state = reference(dp=1)
     for r in runs:
         torch.testing.assert_close(r[schedule]["losses"], ref_losses, **TOL)
     _check_states([r[schedule]["state"] for r in runs], ref_state)
-    # tied embedding identical on both owning stages after every step (checked at the end)
-    torch.testing.assert_close(runs[0][schedule]["state"]["tied_modules.embed.weight"], runs[1][schedule]["state"]["tied_modules.embed.weight"], rtol=0, atol=0)
-    expected_chunks = 4 if schedule == "interleaved_1f1b" else 2
-    assert len(runs[0][schedule]["bounds"]) == expected_chunks + 1
+    if schedule != "zbv":  # tied embedding identical on both owning stages (zbv: stages 0 and 3 share rank 0)
+        torch.testing.assert_close(runs[0][schedule]["state"]["tied_modules.embed.weight"], runs[1][schedule]["state"]["tied_modules.embed.weight"], rtol=0, atol=0)
+    else:
+        assert "tied_modules.embed.weight" not in runs[1][schedule]["state"]
+    assert len(runs[0][schedule]["bounds"]) == 2 * CHUNKS[schedule] + 1
+
+
+def test_zero_bubble_checkpoint_resumes_into_another_schedule(two_stage_runs: Any) -> None:
+    runs, _ = two_stage_runs
+    merged_a: dict[str, torch.Tensor] = {}
+    merged_b: dict[str, torch.Tensor] = {}
+    for r in runs:
+        torch.testing.assert_close(r["zbv_resume"][1], r["zbv_resume"][0], **TOL)
+        merged_a.update(r["zbv_next"][0])
+        merged_b.update(r["zbv_next"][1])
+    assert merged_a.keys() == merged_b.keys()
+    for name, value in merged_a.items():
+        torch.testing.assert_close(merged_b[name], value, **TOL, msg=name)
 
 
 def test_eval_predict_and_checkpoint(two_stage_runs: Any) -> None:
@@ -250,6 +277,11 @@ def rank_four(rank: int, world: int) -> dict[str, Any]:
     out["dp2pp2"] = {"losses": losses, "state": state, "grid": (engine.grid.stage, engine.grid.dp_rank), "n_state": n_state, "n_params": len(owned)}
     losses, state, engine = _train(4, PipelineConfig(micro_batches=MICRO, gradient_clipping=CLIP), partition_method="uniform")
     out["pp4"] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
+    for sched in ("zb_h1", "zbv"):
+        losses, state, engine = _train(4, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), partition_method="uniform")
+        out[f"pp4_{sched}"] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
+    losses, state, engine = _train(2, PipelineConfig(micro_batches=MICRO, schedule="zbv", zero_stage=1, gradient_clipping=CLIP))
+    out["dp2pp2_zbv"] = {"losses": losses, "state": state}
     return out
 
 
@@ -269,10 +301,19 @@ def test_dp2_pp2_zero1_matches_single_process(four_rank_runs: list[dict[str, Any
         assert 0 < r["n_state"] < r["n_params"], r
 
 
-def test_four_stages_match_single_process(four_rank_runs: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv"])
+def test_four_stages_match_single_process(four_rank_runs: list[dict[str, Any]], schedule: str) -> None:
     ref_losses, ref_state = reference(dp=1)
-    runs = [r["pp4"] for r in four_rank_runs]
-    assert runs[0]["bounds"] == [0, 2, 4, 6, 8]
+    runs = [r["pp4" if schedule == "1f1b" else f"pp4_{schedule}"] for r in four_rank_runs]
+    assert runs[0]["bounds"] == ([0, 2, 4, 6, 8] if schedule != "zbv" else [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    for r in runs:
+        torch.testing.assert_close(r["losses"], ref_losses, **TOL)
+    _check_states([r["state"] for r in runs], ref_state)
+
+
+def test_dp2_pp2_zero1_zbv_matches_single_process(four_rank_runs: list[dict[str, Any]]) -> None:
+    ref_losses, ref_state = reference(dp=2)
+    runs = [r["dp2pp2_zbv"] for r in four_rank_runs]
     for r in runs:
         torch.testing.assert_close(r["losses"], ref_losses, **TOL)
     _check_states([r["state"] for r in runs], ref_state)
@@ -366,6 +407,8 @@ def rank_lightning_two(rank: int, world: int, ckpt_dir: str, engine_ckpt_dir: st
     out["resumed_losses"] = resumed.losses
     out["predictions"] = resumed_trainer.predict(resumed, DataLoader(TensorDataset(_val_ids()), batch_size=GLOBAL_BATCH))
     out["state"] = _state(resumed)
+    zb, _ = _fit(world, PipelineStrategy(micro_batches=MICRO, schedule="zbv"), epochs=1)
+    out["zbv"] = {"losses": zb.losses, "state": _state(zb)}
     out["engine"] = rank_two_stages(rank, world, engine_ckpt_dir)
     return out
 
@@ -408,6 +451,14 @@ def test_lightning_two_stages_with_accumulation_clipping_validation_resume(two_r
         expected = model(ids[:, :-1])
     for r in runs:  # trainer.predict: the inference schedule's outputs, on every rank
         torch.testing.assert_close(torch.cat(r["predictions"]), expected, **TOL)
+
+
+def test_lightning_two_ranks_zbv_with_accumulation_and_clipping(two_rank_runs: Any) -> None:
+    runs, _ = two_rank_runs
+    ref_losses, ref_state = reference_on(lightning_global_batches(dp=1, epochs=1), dp=1, accumulate=ACCUM)
+    for r in runs:
+        torch.testing.assert_close(r["zbv"]["losses"], ref_losses, **TOL)
+    _check_states([r["zbv"]["state"] for r in runs], ref_state)
 
 
 def test_lightning_dp2_pp2_zero1(four_rank_runs: list[dict[str, Any]]) -> None:

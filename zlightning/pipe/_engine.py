@@ -55,7 +55,7 @@ from zlightning.pipe._executor import BatchRun
 from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum, global_grad_norm
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
-from zlightning.pipe._schedule import Schedule, build_schedule
+from zlightning.pipe._schedule import Placement, Schedule, build_schedule
 from zlightning.inject import InjectPolicy
 from zlightning.pipe._tensor import shard_stage
 from zlightning.pipe._topology import PipeGrid, PipeGroups
@@ -63,7 +63,8 @@ from zlightning.zero import DynamicLossScaler, LossScalerConfig
 
 __all__ = ["PipelineConfig", "PipelineEngine", "split_microbatches"]
 
-ScheduleName = Literal["1f1b", "gpipe", "interleaved_1f1b"]
+ScheduleName = Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"]
+_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv")
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,12 @@ class PipelineConfig:
     micro_batches: int = 4
     """Micro-batches per batch (DeepSpeed's ``gradient_accumulation_steps``)."""
     schedule: ScheduleName = "1f1b"
-    """Order of work: ``1f1b`` (PipeDream-Flush), ``gpipe`` (all forwards, then all backwards), ``interleaved_1f1b``."""
+    """Order of work: ``1f1b`` (PipeDream-Flush), ``gpipe`` (all forwards, then all backwards), ``interleaved_1f1b``,
+    or the zero-bubble schedules that split each backward into input and weight gradients: ``zb_h1`` (1F1B's peak
+    memory, about a third of its bubble) and ``zbv`` (two chunks per rank in a V); see [Note: zero-bubble schedules]
+    in ``_schedule.py``."""
     virtual_stages: int | None = None
-    """Model chunks per rank; default 2 for ``interleaved_1f1b``, else 1."""
+    """Model chunks per rank; default 2 for ``interleaved_1f1b`` and ``zbv`` (which needs 2), else 1."""
     zero_stage: int = 0
     """0, or 1 to shard optimizer state over the data-parallel group."""
     gradient_clipping: float = 0.0
@@ -98,12 +102,16 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"PipelineConfig: micro_batches must be an int >= 1, got {self.micro_batches!r}")
-        if self.schedule not in ("1f1b", "gpipe", "interleaved_1f1b"):
-            raise ValueError(f"PipelineConfig: schedule must be '1f1b', 'gpipe' or 'interleaved_1f1b', got {self.schedule!r}")
+        if self.schedule not in _SCHEDULE_NAMES:
+            raise ValueError(
+                f"PipelineConfig: schedule must be one of {', '.join(repr(n) for n in _SCHEDULE_NAMES)}, got {self.schedule!r}"
+            )
         v = self.virtual_stages
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"PipelineConfig: virtual_stages must be None or an int >= 1, got {v!r}")
-        if v not in (None, 1) and self.schedule != "interleaved_1f1b":
+        if self.schedule == "zbv" and v not in (None, 2):
+            raise ValueError(f"PipelineConfig: schedule='zbv' runs two chunks per rank; virtual_stages={v} must be None or 2")
+        if v not in (None, 1) and self.schedule not in ("interleaved_1f1b", "zbv"):
             raise ValueError(f"PipelineConfig: virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})")
         if self.zero_stage in (2, 3):
             raise ValueError(
@@ -130,7 +138,12 @@ class PipelineConfig:
     def chunks_per_rank(self) -> int:
         if self.virtual_stages is not None:
             return self.virtual_stages
-        return 2 if self.schedule == "interleaved_1f1b" else 1
+        return 2 if self.schedule in ("interleaved_1f1b", "zbv") else 1
+
+    @property
+    def placement(self) -> Placement:
+        """Where stages live on the pipeline ranks (``"v"`` for ``zbv``, else ``"loop"``)."""
+        return "v" if self.schedule == "zbv" else "loop"
 
 
 def split_microbatches(obj: Any, n: int, what: str = "batch") -> list[Any]:
@@ -216,11 +229,11 @@ class PipelineEngine:
             torch.cuda.set_device(self.device)  # NCCL point-to-point picks the current device
         v = config.chunks_per_rank
         self.train_schedule: Schedule = build_schedule(config.schedule, pp, config.micro_batches, v)
-        self.eval_schedule: Schedule = build_schedule("inference", pp, config.micro_batches, v)
+        self.eval_schedule: Schedule = build_schedule("inference", pp, config.micro_batches, v, config.placement)
         self.module = module
         stages = self.train_schedule.stages_of(self.grid.stage)
         module.build(stages, pp * v, self.device)
-        self.groups = PipeGroups.build(self.grid, module.tie_owners(module.bounds or [], pp))
+        self.groups = PipeGroups.build(self.grid, module.tie_owners(module.bounds or [], self.train_schedule.rank_of))
         self.tp_split: frozenset[int] = frozenset()
         """Ids of this rank's parameters that hold a different slice on every TP rank (empty without TP)."""
         if tp > 1:
@@ -265,7 +278,14 @@ class PipelineEngine:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.grid.stage == self.grid.pp - 1
+        """Whether this rank holds the model's last stage (the loss): pipeline rank ``P - 1``, or rank 0 in the V
+        of ``zbv``."""
+        return self.grid.stage == self.last_rank
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the last stage."""
+        return self.train_schedule.rank_of(self.train_schedule.num_stages - 1)
 
     def _tied_duplicates(self) -> set[int]:
         """Ids of tied parameters whose gradient norm is counted on another (lower) owning stage."""
@@ -332,7 +352,7 @@ class PipelineEngine:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if dist.is_initialized():
-            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank, self.grid.tp_rank)
+            src = self.grid.global_rank(self.last_rank, self.grid.dp_rank, self.grid.tp_rank)
             if deferred is not None and self.grid.dp == 1:
                 deferred.append(dist.broadcast(loss, src=src, group=self.groups.pipe, async_op=True))
                 return loss
@@ -490,7 +510,7 @@ class PipelineEngine:
 
     def _eval_schedule(self, m: int) -> Schedule:
         if m not in self._eval_schedules:
-            self._eval_schedules[m] = build_schedule("inference", self.grid.pp, m, self.config.chunks_per_rank)
+            self._eval_schedules[m] = build_schedule("inference", self.grid.pp, m, self.config.chunks_per_rank, self.config.placement)
         return self._eval_schedules[m]
 
     def _eval_output(self, run: BatchRun, m: int, compute_loss: bool, reduce: str | None, bcast: bool) -> Any:
@@ -506,7 +526,7 @@ class PipelineEngine:
             shape = () if reduce == "avg" else (m,)
             out = torch.stack(values).float() if reduce != "avg" and values is not None else values
             buf = out.float().reshape(shape) if out is not None else torch.zeros(shape, device=self.device)
-            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank, self.grid.tp_rank)
+            src = self.grid.global_rank(self.last_rank, self.grid.dp_rank, self.grid.tp_rank)
             dist.broadcast(buf, src=src, group=self.groups.pipe)
             values = buf if reduce == "avg" else list(buf.unbind())
         return values
@@ -524,7 +544,7 @@ class PipelineEngine:
         out = [_concat([run.outputs[i] for i in sorted(run.outputs)]) if self.is_last_stage else None]
         if dist.is_initialized() and self.grid.pp > 1:
             out = [_to(out[0], "cpu")]
-            src = self.grid.global_rank(self.grid.pp - 1, self.grid.dp_rank, self.grid.tp_rank)
+            src = self.grid.global_rank(self.last_rank, self.grid.dp_rank, self.grid.tp_rank)
             dist.broadcast_object_list(out, src=src, group=self.groups.pipe)
         return _to(out[0], self.device)
 

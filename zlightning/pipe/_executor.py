@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zlightning.pipe._backward import DeferredWeights, backward_input, backward_weight
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, Incoming, IncomingGrads, TensorMeta, flatten, unflatten
 from zlightning.pipe._schedule import Action, ActionKind, Schedule
@@ -68,6 +69,9 @@ class BatchRun:
     _metas: dict[tuple[int, int], list[TensorMeta]] = field(default_factory=dict)
     _dy: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     _dx: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    _weights: dict[tuple[int, int], DeferredWeights | None] = field(default_factory=dict)
+    """Weight gradients a split ``B`` left for its ``W`` (see [Note: split backward] in ``_schedule.py``)."""
+    _split: frozenset[tuple[int, int]] = frozenset()
     _upcoming: dict[tuple[ActionKind, int], deque[Action]] = field(default_factory=dict)
     """Receives of each channel ``(RECV_F / RECV_B, peer)`` not yet posted, in program order."""
     _posted: dict[tuple[ActionKind, int], tuple[Action, Incoming | IncomingGrads]] = field(default_factory=dict)
@@ -81,12 +85,15 @@ class BatchRun:
         handlers = {
             ActionKind.FORWARD: self._forward,
             ActionKind.BACKWARD: self._backward,
+            ActionKind.WEIGHT: self._weight,
             ActionKind.SEND_F: self._send_f,
             ActionKind.RECV_F: self._recv_f,
             ActionKind.SEND_B: self._send_b,
             ActionKind.RECV_B: self._recv_b,
         }
         program = self.schedule.programs[self.rank]
+        self._split = self.schedule.split
+        timed = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
         if self.p2p.can_post_ahead:
             for a in program:
                 if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
@@ -95,7 +102,7 @@ class BatchRun:
                 self._post_ahead(channel)
         try:
             for action in program:
-                if self.timings is not None and action.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                if self.timings is not None and action.kind in timed:
                     start = time.perf_counter()
                     handlers[action.kind](action)
                     self.timings.append((str(action), start, time.perf_counter()))
@@ -105,6 +112,7 @@ class BatchRun:
             self.p2p.wait()
             self._upcoming.clear()
             self._posted.clear()
+            self._weights.clear()
 
     # ---------------------------------------------------------------------------------------- receives ahead
     def _channel(self, a: Action) -> tuple[ActionKind, int]:
@@ -195,7 +203,7 @@ class BatchRun:
         s, m = a.stage, a.microbatch
         if s == self.last:
             loss = self._loss.pop(m)
-            (loss * self.loss_scale).backward()
+            wanted, grads = [loss * self.loss_scale], [torch.ones((), dtype=loss.dtype, device=loss.device)]
         else:
             outs, _ = flatten(self._y[(s, m)])
             wanted = [t for t in outs if t.requires_grad and t.is_floating_point()]
@@ -208,15 +216,18 @@ class BatchRun:
                         f"pipeline stage {s}: gradient for output tensor {i} of micro-batch {m} has shape "
                         f"{list(g.shape)} but the output has shape {list(t.shape)}"
                     )
-            if wanted:
-                torch.autograd.backward(wanted, grads)
         self._y.pop((s, m), None)
         x = self._x.pop((s, m))
+        ins = [t for t in flatten(x)[0] if t.requires_grad and t.is_floating_point()] if s > 0 else []
+        if (s, m) in self._split:  # see [Note: split backward] in _schedule.py
+            self._weights[(s, m)] = backward_input(wanted, grads, ins) if wanted else None
+        elif wanted:
+            torch.autograd.backward(wanted, grads)
         if s > 0:
-            ins, _ = flatten(x)
-            self._dx[(s, m)] = [
-                t.grad if t.grad is not None else torch.zeros_like(t) for t in ins if t.requires_grad and t.is_floating_point()
-            ]
+            self._dx[(s, m)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+
+    def _weight(self, a: Action) -> None:
+        backward_weight(self._weights.pop((a.stage, a.microbatch)))
 
     def _send_b(self, a: Action) -> None:
         self.p2p.send_grads(self._dx.pop((a.stage, a.microbatch)), self._peer(a.stage - 1))

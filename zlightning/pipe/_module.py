@@ -155,14 +155,14 @@ class PipelineModule(nn.Module):
             return partition_uniform(n, total_stages)
         return partition_balanced(weights, total_stages)
 
-    def tie_owners(self, bounds: Sequence[int], num_ranks: int) -> dict[str, list[int]]:
-        """Per tie key, the pipeline ranks holding one of its positions (stage ``s`` is on rank ``s % num_ranks``)."""
+    def tie_owners(self, bounds: Sequence[int], rank_of: Callable[[int], int]) -> dict[str, list[int]]:
+        """Per tie key, the pipeline ranks holding one of its positions (stage ``s`` is on rank ``rank_of(s)``)."""
         owners: dict[str, list[int]] = {}
         for s in range(len(bounds) - 1):
             for idx in range(bounds[s], bounds[s + 1]):
                 spec = self.specs[idx]
                 if isinstance(spec, TiedLayerSpec):
-                    rank = s % num_ranks
+                    rank = rank_of(s)
                     if rank not in owners.setdefault(spec.key, []):
                         owners[spec.key].append(rank)
         return owners

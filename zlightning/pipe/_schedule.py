@@ -1,18 +1,42 @@
 """Pipeline schedules as data: an action IR, generators, a lowering pass, a checker/simulator and a timing model.
 
 Naming: a *rank* is one process of a pipeline group (``P`` of them); a *stage* is one model chunk (``S = P * v``
-stages with ``v`` virtual chunks per rank; stage ``s`` lives on rank ``s % P``); a *micro-batch* is ``m`` in
-``[0, M)``.
+stages with ``v`` virtual chunks per rank; stage ``s`` lives on rank ``s % P`` in the ``"loop"`` placement, and on
+rank ``s`` or ``2P - 1 - s`` in the ``"v"`` placement of ``zbv``); a *micro-batch* is ``m`` in ``[0, M)``.
 
 [Note: schedules are data]
 A schedule is a frozen ``Schedule``: per rank, a tuple of ``Action``s (``0F3`` = stage 0 forwards micro-batch 3,
 ``1B2`` = stage 1 backwards micro-batch 2, ``1RECV_F3`` = stage 1 receives the activation of micro-batch 3, ...).
-Generators (``gpipe``, ``one_f_one_b``, ``interleaved_one_f_one_b``, ``inference``) emit compute actions only; the
-pure lowering pass ``add_send_recv`` inserts the transfers (a receive right before the compute that needs it, a send
-right after the compute that produced it; none between stages on the same rank). ``simulate`` then runs the lowered
-program abstractly with the executor's communication semantics and raises before anything touches a process group
-if a micro-batch is missing or duplicated, an order is illegal, sends and receives do not pair up, or the program
-deadlocks. The executor (``_executor.py``) only interprets actions; it never decides what runs next.
+Generators (``gpipe``, ``one_f_one_b``, ``interleaved_one_f_one_b``, ``zb_h1``, ``zbv``, ``inference``) emit
+compute actions only; the pure lowering pass ``add_send_recv`` inserts the transfers (a send right after the compute
+that produced it, a receive right before the compute that needs it or earlier, in the sender's order; none between
+stages on the same rank). ``simulate`` then runs the lowered program abstractly with the executor's communication
+semantics and raises before anything touches a process group if a micro-batch is missing or duplicated, an order is
+illegal, sends and receives do not pair up, or the program deadlocks. The executor (``_executor.py``) only
+interprets actions; it never decides what runs next.
+
+[Note: split backward]
+A ``W`` action (``1W2``) computes the weight gradients of stage 1 for micro-batch 2. Its presence splits that
+backward: the ``B`` of the same stage and micro-batch then computes only the gradient of the stage input (what the
+previous stage waits for) and ``W``, which nothing downstream waits for, may run later to fill idle time. Without a
+``W`` a ``B`` is the whole backward, as in 1F1B. The optimizer step follows the whole program, so it always comes
+after the last ``W``. How a backward is split inside one stage is the executor's business (``_backward.py``).
+
+[Note: zero-bubble schedules]
+``zb_h1`` (ZB-H1 of Qi et al., 2023) keeps 1F1B's order of forwards and input backwards and defers weight
+gradients: on rank ``r`` the ``W`` of micro-batch ``j`` runs right after the ``B`` of micro-batch ``j + r``, the rest
+after the last ``B``. With unit costs F = B = W the idle time per rank drops from 1F1B's ``3 (P - 1)`` to ``P - 1``
+units (a third) when ``M >= P``. Each rank then holds at most ``min(P, M)`` micro-batches of activations (until their
+``W``): 1F1B's peak (that of rank 0), reached on every rank instead of only the first. ``zbv`` places two chunks per
+rank in a V (rank ``r`` holds stages ``r`` and ``2P - 1 - r``, so the first and last stage share rank 0 and the
+turn at rank ``P - 1`` needs no transfer) and orders the actions with a list scheduler over unit chunk costs: when a
+rank is free it runs a ready ``B`` (the lowest micro-batch, the later stage first), else the forward of its deepest
+chunk that is ready, within 1F1B's activation peak of ``2P`` chunk activations (a chunk-0 forward leaves one slot
+for chunk 1, so a full rank never blocks the V's turn), else the oldest pending ``W``. Simulated bubble with unit
+costs (1F1B / ZB-H1 / ZBV): P = 2, M = 8: 0.111 / 0.040 / 0.020; P = 4, M = 16: 0.158 / 0.059 / 0.086; P = 8,
+M = 32: 0.179 / 0.068 / 0.220. This list scheduler is the paper's ZB-V only on two ranks: with more ranks its
+greedy warm-up and drain leave more idle time than ZB-H1 (and from P = 6 more than 1F1B), so use ``zbv`` on two
+pipeline ranks and ``zb_h1`` beyond (a handcrafted ZB-V order for any P is not implemented).
 
 [Note: communication model]
 Sends are non-blocking (``isend``; completed at the end of the batch) and receives block. Per ordered rank pair the
@@ -28,10 +52,12 @@ import io
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
 __all__ = [
     "Action",
     "ActionKind",
+    "Placement",
     "Schedule",
     "ScheduleError",
     "Timeline",
@@ -43,7 +69,11 @@ __all__ = [
     "one_f_one_b",
     "simulate",
     "timeline",
+    "zb_h1",
+    "zbv",
 ]
+
+Placement = Literal["loop", "v"]
 
 
 class ScheduleError(RuntimeError):
@@ -53,14 +83,17 @@ class ScheduleError(RuntimeError):
 class ActionKind(Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    """The backward of a stage; only the input gradient when a ``W`` of the same stage and micro-batch exists."""
+    WEIGHT = "W"
+    """The weight gradients of a split backward; see [Note: split backward]."""
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
 
-_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
-_ACTION_RE = re.compile(r"^(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
+_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
+_ACTION_RE = re.compile(r"^(\d+)(F|B|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -103,22 +136,34 @@ class Schedule:
     """Per rank, its actions in execution order."""
     lowered: bool = False
     """Whether transfers have been inserted (``add_send_recv``)."""
+    placement: Placement = "loop"
+    """Where stages live: ``"loop"`` (stage ``s`` on rank ``s % P``) or ``"v"`` (two chunks per rank, stage ``s`` on
+    rank ``s`` for ``s < P`` and on rank ``2P - 1 - s`` after the turn)."""
 
     def __post_init__(self) -> None:
         if len(self.programs) != self.num_ranks:
             raise ValueError(f"Schedule {self.name}: {len(self.programs)} programs for {self.num_ranks} ranks")
         if self.num_stages % self.num_ranks:
             raise ValueError(f"Schedule {self.name}: {self.num_stages} stages are not a multiple of {self.num_ranks} ranks")
+        if self.placement not in ("loop", "v"):
+            raise ValueError(f"Schedule {self.name}: placement must be 'loop' or 'v', got {self.placement!r}")
+        if self.placement == "v" and self.num_stages != 2 * self.num_ranks:
+            raise ValueError(f"Schedule {self.name}: the 'v' placement needs 2 stages per rank, got {self.num_stages} stages")
 
     @property
     def training(self) -> bool:
         return any(a.kind is ActionKind.BACKWARD for prog in self.programs for a in prog)
 
+    @property
+    def split(self) -> frozenset[tuple[int, int]]:
+        """``(stage, micro-batch)`` pairs whose backward is split by a ``W``; see [Note: split backward]."""
+        return frozenset((a.stage, a.microbatch) for prog in self.programs for a in prog if a.kind is ActionKind.WEIGHT)
+
     def rank_of(self, stage: int) -> int:
-        return stage % self.num_ranks
+        return _rank_of(stage, self.num_ranks, self.placement)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank, self.num_stages, self.num_ranks))
+        return tuple(s for s in range(self.num_stages) if self.rank_of(s) == rank)
 
     def to_csv(self) -> str:
         """One row per rank, one action per column (the torch.distributed.pipelining CSV convention)."""
@@ -129,15 +174,23 @@ class Schedule:
         return out.getvalue()
 
     @staticmethod
-    def from_csv(text: str, *, name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    def from_csv(
+        text: str, *, name: str, num_stages: int, num_microbatches: int, placement: Placement = "loop"
+    ) -> Schedule:
         """Reads ``to_csv`` output (one row per rank). Lowered if any transfer action appears."""
         rows = [row for row in csv.reader(io.StringIO(text)) if row is not None]
         programs = tuple(tuple(Action.parse(c) for c in row if c.strip()) for row in rows)
         lowered = any(a.kind not in _COMPUTE for prog in programs for a in prog)
-        return Schedule(name, len(programs), num_stages, num_microbatches, programs, lowered)
+        return Schedule(name, len(programs), num_stages, num_microbatches, programs, lowered, placement)
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(str(a) for a in prog) for r, prog in enumerate(self.programs))
+
+
+def _rank_of(stage: int, num_ranks: int, placement: Placement) -> int:
+    if placement == "v":
+        return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
+    return stage % num_ranks
 
 
 # ---------------------------------------------------------------------------------------------------- generators
@@ -157,18 +210,23 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     return Schedule("gpipe", num_ranks, num_ranks, num_microbatches, programs)
 
 
-def inference(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Forward only, stage by stage in micro-batch order (validation and prediction)."""
+def inference(num_ranks: int, num_microbatches: int, virtual_stages: int = 1, placement: Placement = "loop") -> Schedule:
+    """Forward only, stage by stage in micro-batch order (validation and prediction). In the ``"v"`` placement each
+    rank runs its forwards in the order they become ready with unit costs (stage + micro-batch), so the turn of
+    micro-batch ``m`` does not wait behind the first chunk of every later micro-batch."""
     _check_sizes("inference", num_ranks, num_microbatches)
     S = num_ranks * virtual_stages
     programs = []
     for r in range(num_ranks):
-        prog = [Action(s, ActionKind.FORWARD, i) for s in range(r, S, num_ranks) for i in range(num_microbatches)]
+        stages = [s for s in range(S) if _rank_of(s, num_ranks, placement) == r]
+        prog = [Action(s, ActionKind.FORWARD, i) for s in stages for i in range(num_microbatches)]
         # chunk-major order would deadlock with v > 1 (rank 0's chunk 1 waits for rank P-1); go micro-batch-major
-        if virtual_stages > 1:
+        if placement == "v":
+            prog.sort(key=lambda a: (a.microbatch + a.stage, a.stage))
+        elif virtual_stages > 1:
             prog.sort(key=lambda a: (a.microbatch, a.stage))
         programs.append(tuple(prog))
-    return Schedule("inference", num_ranks, S, num_microbatches, tuple(programs))
+    return Schedule("inference", num_ranks, S, num_microbatches, tuple(programs), placement=placement)
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -236,8 +294,114 @@ def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int, virtual_stage
     return Schedule("interleaved_1f1b", P, P * v, M, tuple(programs))
 
 
-def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The lowered, simulated schedule called ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``inference``).
+def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B's forwards and input backwards, each weight gradient deferred by the rank's index; see
+    [Note: zero-bubble schedules]."""
+    _check_sizes("zb_h1", num_ranks, num_microbatches)
+    W = ActionKind.WEIGHT
+    programs = []
+    for r, prog in enumerate(one_f_one_b(num_ranks, num_microbatches).programs):
+        out: list[Action] = []
+        for a in prog:
+            out.append(a)
+            if a.kind is ActionKind.BACKWARD and a.microbatch - r >= 0:
+                out.append(Action(r, W, a.microbatch - r))
+        out += [Action(r, W, j) for j in range(max(0, num_microbatches - r), num_microbatches)]
+        programs.append(tuple(out))
+    return Schedule("zb_h1", num_ranks, num_ranks, num_microbatches, tuple(programs))
+
+
+def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
+    """The V-shaped zero-bubble schedule: two chunks per rank in the ``"v"`` placement, ordered by a list scheduler
+    over unit chunk costs; see [Note: zero-bubble schedules]."""
+    _check_sizes("zbv", num_ranks, num_microbatches)
+    return _VListScheduler(num_ranks, num_microbatches).run()
+
+
+class _VListScheduler:
+    """Event-driven list scheduling of F/B/W over the ``"v"`` placement with unit chunk costs. Ranks act in time
+    order (the earliest free rank first), so every decision sees only work already finished at that time."""
+
+    def __init__(self, num_ranks: int, num_microbatches: int) -> None:
+        self.P, self.M, self.S = num_ranks, num_microbatches, 2 * num_ranks
+        self.limit = 2 * num_ranks  # 1F1B's activation peak, in chunk activations (one chunk is half a rank's layers)
+        self.stages = [(r, 2 * num_ranks - 1 - r) for r in range(num_ranks)]
+        self.f_end: dict[tuple[int, int], float] = {}
+        self.b_end: dict[tuple[int, int], float] = {}
+        self.next_f = [0] * self.S
+        self.clock = [0.0] * num_ranks
+        self.held = [0] * num_ranks  # chunk activations alive (forward done, weight gradient not yet)
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
+        self.programs: list[list[Action]] = [[] for _ in range(num_ranks)]
+
+    def _done(self, r: int) -> bool:
+        return len(self.programs[r]) == 3 * 2 * self.M
+
+    def _choose(self, r: int) -> Action | None:
+        t, M = self.clock[r], self.M
+        ready_b = [
+            (m, -s) for s in self.stages[r] for m in range(M)
+            if self.f_end.get((s, m), t + 1) <= t and (s, m) not in self.b_end
+            and (s == self.S - 1 or self.b_end.get((s + 1, m), t + 1) <= t)
+        ]
+        if ready_b:
+            m, neg_s = min(ready_b)
+            return Action(-neg_s, ActionKind.BACKWARD, m)
+        for s in sorted(self.stages[r], reverse=True):  # the deeper chunk first
+            m = self.next_f[s]
+            reserve = 1 if s < self.P else 0  # keep a slot for the chunk after the turn
+            ready = s == 0 or self.f_end.get((s - 1, m), t + 1) <= t
+            if m < M and ready and self.held[r] + reserve < self.limit:
+                return Action(s, ActionKind.FORWARD, m)
+        if self.pending_w[r]:
+            s, m = self.pending_w[r][0]
+            return Action(s, ActionKind.WEIGHT, m)
+        return None
+
+    def _apply(self, r: int, a: Action) -> None:
+        key, end = (a.stage, a.microbatch), self.clock[r] + 1.0
+        if a.kind is ActionKind.FORWARD:
+            self.f_end[key] = end
+            self.next_f[a.stage] += 1
+            self.held[r] += 1
+        elif a.kind is ActionKind.BACKWARD:
+            self.b_end[key] = end
+            self.pending_w[r].append(key)
+        else:
+            self.pending_w[r].pop(0)
+            self.held[r] -= 1
+        self.clock[r] = end
+        self.programs[r].append(a)
+
+    def run(self) -> Schedule:
+        while True:
+            order = sorted((r for r in range(self.P) if not self._done(r)), key=lambda r: (self.clock[r], r))
+            if not order:
+                break
+            for r in order:
+                a = self._choose(r)
+                if a is not None:
+                    self._apply(r, a)
+                    break
+            else:  # nobody can act at its clock: the earliest rank waits for the next finish or rank
+                r = order[0]
+                later = [e for e in (*self.f_end.values(), *self.b_end.values()) if e > self.clock[r]]
+                later += [self.clock[q] for q in order if self.clock[q] > self.clock[r]]
+                if not later:
+                    raise AssertionError(f"zbv list scheduler stuck: P={self.P}, M={self.M}, rank {r}")
+                self.clock[r] = min(later)
+        programs = tuple(tuple(p) for p in self.programs)
+        return Schedule("zbv", self.P, self.S, self.M, programs, placement="v")
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "inference")
+"""Names ``build_schedule`` knows."""
+
+
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, placement: Placement = "loop") -> Schedule:
+    """The lowered, simulated schedule called ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zb_h1``,
+    ``zbv``, ``inference``). ``zbv`` has two chunks per rank in the ``"v"`` placement; ``placement`` only matters
+    for ``inference``, which must match the training schedule's.
 
     Raises:
         ValueError: unknown name or invalid sizes.
@@ -249,40 +413,89 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_sta
         sched = one_f_one_b(num_ranks, num_microbatches)
     elif name == "interleaved_1f1b":
         sched = interleaved_one_f_one_b(num_ranks, num_microbatches, virtual_stages)
+    elif name == "zb_h1":
+        sched = zb_h1(num_ranks, num_microbatches)
+    elif name == "zbv":
+        sched = zbv(num_ranks, num_microbatches)
     elif name == "inference":
-        sched = inference(num_ranks, num_microbatches, virtual_stages)
+        sched = inference(num_ranks, num_microbatches, virtual_stages, placement)
     else:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose 'gpipe', '1f1b', 'interleaved_1f1b' or 'inference'")
-    if name in ("gpipe", "1f1b") and virtual_stages != 1:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(repr(n) for n in SCHEDULES)}")
+    if name in ("gpipe", "1f1b", "zb_h1") and virtual_stages != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per rank; use 'interleaved_1f1b' for virtual_stages={virtual_stages}")
+    if name == "zbv" and virtual_stages != 2:
+        raise ValueError(f"schedule 'zbv' runs two chunks per rank (a V); got virtual_stages={virtual_stages}")
     lowered = add_send_recv(sched)
     simulate(lowered)
     return lowered
 
 
 # ---------------------------------------------------------------------------------------------------- lowering
+def _transfer_source(a: Action, num_stages: int) -> int | None:
+    """The stage whose output ``a`` consumes from elsewhere (None: a weight gradient, or the pipeline's end)."""
+    if a.kind is ActionKind.FORWARD:
+        return a.stage - 1 if a.stage > 0 else None
+    if a.kind is ActionKind.BACKWARD:
+        return a.stage + 1 if a.stage < num_stages - 1 else None
+    return None
+
+
 def add_send_recv(schedule: Schedule) -> Schedule:
-    """Inserts transfers: ``RECV_F`` before a forward whose input stage is on another rank, ``SEND_F`` after a forward
-    whose consumer is on another rank, and the mirror ``RECV_B`` / ``SEND_B`` around backwards. Pure."""
+    """Inserts transfers. Pure.
+
+    A send goes right after the compute that produced a value for another rank (``SEND_F`` after a forward,
+    ``SEND_B`` after a backward). A receive goes right before the compute that needs it, preceded by the receives of
+    every message the same peer sent earlier that this rank has not received yet: messages between two ranks are
+    received in the order they were sent (see [Note: communication model]) even when this rank consumes them in
+    another order, which can happen with two chunks per rank. Receiving early never waits longer than the compute
+    that needs the later message would anyway."""
     if schedule.lowered:
         return schedule
     S, rank_of = schedule.num_stages, schedule.rank_of
-    programs = []
+    sends: list[list[Action]] = []
     for r, prog in enumerate(schedule.programs):
         out: list[Action] = []
         for a in prog:
             if a.kind not in _COMPUTE:
                 raise ScheduleError(f"rank {r}: unlowered schedule {schedule.name} already holds transfer {a}")
-            fwd = a.kind is ActionKind.FORWARD
-            src = a.stage - 1 if fwd else a.stage + 1  # where the input (activation or gradient) comes from
-            dst = a.stage + 1 if fwd else a.stage - 1
-            if 0 <= src < S and rank_of(src) != r:
-                out.append(Action(a.stage, ActionKind.RECV_F if fwd else ActionKind.RECV_B, a.microbatch))
             out.append(a)
+            if a.kind is ActionKind.WEIGHT:
+                continue
+            fwd = a.kind is ActionKind.FORWARD
+            dst = a.stage + 1 if fwd else a.stage - 1
             if 0 <= dst < S and rank_of(dst) != r:
                 out.append(Action(a.stage, ActionKind.SEND_F if fwd else ActionKind.SEND_B, a.microbatch))
+        sends.append(out)
+    channel: dict[tuple[int, int], list[Action]] = {}  # (src rank, dst rank) -> the receives, in send order
+    for q, prog in enumerate(sends):
+        for a in prog:
+            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                fwd = a.kind is ActionKind.SEND_F
+                consumer = a.stage + 1 if fwd else a.stage - 1
+                recv = Action(consumer, ActionKind.RECV_F if fwd else ActionKind.RECV_B, a.microbatch)
+                channel.setdefault((q, rank_of(consumer)), []).append(recv)
+    programs = []
+    for r, prog in enumerate(sends):
+        out, taken = [], {key: 0 for key in channel if key[1] == r}
+        for a in prog:
+            src = _transfer_source(a, S) if a.kind in _COMPUTE else None
+            if src is not None and rank_of(src) != r:
+                queue = channel.get((rank_of(src), r), [])
+                want = Action(a.stage, ActionKind.RECV_F if a.kind is ActionKind.FORWARD else ActionKind.RECV_B, a.microbatch)
+                if want not in queue[taken.get((rank_of(src), r), 0) :]:
+                    if want not in queue:
+                        raise ScheduleError(f"{schedule.name}: rank {r} runs {a} but no rank sends its input")
+                else:
+                    key = (rank_of(src), r)
+                    upto = queue.index(want, taken[key])
+                    out += queue[taken[key] : upto + 1]
+                    taken[key] = upto + 1
+            out.append(a)
         programs.append(tuple(out))
-    return Schedule(schedule.name, schedule.num_ranks, S, schedule.num_microbatches, tuple(programs), lowered=True)
+    return Schedule(
+        schedule.name, schedule.num_ranks, S, schedule.num_microbatches, tuple(programs), lowered=True,
+        placement=schedule.placement,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- simulation
@@ -298,7 +511,7 @@ def _check_coverage(schedule: Schedule) -> None:
                 raise ScheduleError(f"{schedule.name}: rank {r} runs {a} with a micro-batch outside [0, {schedule.num_microbatches})")
             if a.kind in _COMPUTE:
                 seen.setdefault((a.stage, a.kind), []).append(a.microbatch)
-        kinds = _COMPUTE if training else (ActionKind.FORWARD,)
+        kinds = (ActionKind.FORWARD, ActionKind.BACKWARD) if training else (ActionKind.FORWARD,)
         for s in schedule.stages_of(r):
             for kind in kinds:
                 got = sorted(seen.get((s, kind), []))
@@ -307,14 +520,21 @@ def _check_coverage(schedule: Schedule) -> None:
                         f"{schedule.name}: stage {s} on rank {r} runs {kind.name} for micro-batches {got}; "
                         f"expected each of 0..{schedule.num_microbatches - 1} exactly once"
                     )
+            weights = sorted(seen.get((s, ActionKind.WEIGHT), []))
+            if len(set(weights)) != len(weights) or (weights and not training):
+                raise ScheduleError(
+                    f"{schedule.name}: stage {s} on rank {r} runs WEIGHT for micro-batches {weights}; each at most once, "
+                    "and only in a training schedule"
+                )
 
 
 def simulate(schedule: Schedule) -> None:
     """Runs a lowered schedule abstractly and raises ``ScheduleError`` on any defect. See [Note: schedules are data]
     and [Note: communication model]. Checks: coverage (each micro-batch forwarded and, when training, backwarded
-    exactly once per stage on its rank); a forward runs after its input exists, a backward after its own forward and
-    its output gradient; receives pair with sends of the same kind/stage/micro-batch in FIFO order per rank pair;
-    no transfer is left unmatched; no deadlock."""
+    exactly once per stage on its rank, weight gradients at most once); a forward runs after its input exists, a
+    backward after its own forward and its output gradient, a weight gradient after its backward; receives pair with
+    sends of the same kind/stage/micro-batch in FIFO order per rank pair; no transfer is left unmatched; no
+    deadlock."""
     if not schedule.lowered and add_send_recv(schedule).programs != schedule.programs:
         raise ScheduleError(f"simulate() needs a lowered schedule; call add_send_recv({schedule.name}) first")
     _check_coverage(schedule)
@@ -331,6 +551,8 @@ def simulate(schedule: Schedule) -> None:
                 return True
             local = schedule.rank_of(s - 1) == r
             return (s - 1, ActionKind.FORWARD, m) in done if local else (s, ActionKind.FORWARD, m) in arrived
+        if a.kind is ActionKind.WEIGHT:
+            return True if (s, ActionKind.BACKWARD, m) in done else f"weight gradient {a} before its backward"
         if a.kind is ActionKind.BACKWARD:
             if (s, ActionKind.FORWARD, m) not in done:
                 return f"backward {a} before its forward"
@@ -402,14 +624,33 @@ class Timeline:
         busy = sum(end - start for prog in self.spans for _, start, end in prog)
         return 1.0 - busy / (len(self.spans) * self.makespan) if self.makespan else 0.0
 
+    def peak_activations(self) -> list[int]:
+        """Per rank, the most micro-batch activations alive at once (a forward's live from its start until its
+        backward ends, or its weight gradient ends when the backward is split), in chunks of ``1 / v`` of a rank."""
+        peaks = []
+        for prog in self.spans:
+            split = {(a.stage, a.microbatch) for a, _, _ in prog if a.kind is ActionKind.WEIGHT}
+            live = peak = 0
+            for a, _, _ in prog:
+                frees = ActionKind.WEIGHT if (a.stage, a.microbatch) in split else ActionKind.BACKWARD
+                live += 1 if a.kind is ActionKind.FORWARD else (-1 if a.kind is frees else 0)
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
 
-def timeline(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
-    """Event-driven timing of a lowered schedule: each action starts when its rank is free and its input exists."""
+
+def timeline(
+    schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, weight_cost: float | None = None
+) -> Timeline:
+    """Event-driven timing of a lowered schedule: each action starts when its rank is free and its input exists.
+    Costs are per rank's worth of layers (a chunk costs ``1 / v`` of them). A split backward costs
+    ``backward_cost - weight_cost`` for its ``B`` and ``weight_cost`` (default half the backward) for its ``W``."""
     lowered = add_send_recv(schedule)
     simulate(lowered)
     S, P = lowered.num_stages, lowered.num_ranks
     v = S // P
-    f, b = forward_cost / v, backward_cost / v  # a chunk holds 1/v of a rank's layers
+    w_cost = backward_cost / 2 if weight_cost is None else weight_cost
+    split = lowered.split
     finish: dict[tuple[int, ActionKind, int], float] = {}
     clock = [0.0] * P
     pcs = [0] * P
@@ -421,22 +662,30 @@ def timeline(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
                 if a.kind not in _COMPUTE:
                     pcs[r] += 1
                     continue
-                dep = _input_of(a, S)
-                if dep is not None and dep not in finish:
+                deps = _inputs_of(a, S)
+                if any(d not in finish for d in deps):
                     break
-                start = max(clock[r], finish.get(dep, 0.0) if dep else 0.0)
-                if a.kind is ActionKind.BACKWARD:
-                    start = max(start, finish[(a.stage, ActionKind.FORWARD, a.microbatch)])
-                end = start + (f if a.kind is ActionKind.FORWARD else b)
+                start = max([clock[r]] + [finish[d] for d in deps])
+                if a.kind is ActionKind.FORWARD:
+                    cost = forward_cost
+                elif a.kind is ActionKind.WEIGHT:
+                    cost = w_cost
+                else:
+                    cost = backward_cost - w_cost if (a.stage, a.microbatch) in split else backward_cost
+                end = start + cost / v
                 finish[(a.stage, a.kind, a.microbatch)] = clock[r] = end
                 spans[r].append((a, start, end))
                 pcs[r] += 1
     return Timeline(tuple(tuple(s) for s in spans), max(clock))
 
 
-def _input_of(a: Action, num_stages: int) -> tuple[int, ActionKind, int] | None:
+def _inputs_of(a: Action, num_stages: int) -> list[tuple[int, ActionKind, int]]:
+    """What a compute action waits for: the previous stage's forward, the next stage's backward (and its own
+    forward), or its own backward (a weight gradient)."""
+    s, m = a.stage, a.microbatch
     if a.kind is ActionKind.FORWARD:
-        return (a.stage - 1, ActionKind.FORWARD, a.microbatch) if a.stage > 0 else None
-    if a.stage == num_stages - 1:
-        return (a.stage, ActionKind.FORWARD, a.microbatch)
-    return (a.stage + 1, ActionKind.BACKWARD, a.microbatch)
+        return [(s - 1, ActionKind.FORWARD, m)] if s > 0 else []
+    if a.kind is ActionKind.WEIGHT:
+        return [(s, ActionKind.BACKWARD, m)]
+    own = (s, ActionKind.FORWARD, m)
+    return [own] if s == num_stages - 1 else [own, (s + 1, ActionKind.BACKWARD, m)]

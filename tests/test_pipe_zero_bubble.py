@@ -1,0 +1,186 @@
+"""Zero-bubble schedules (single process): ``zb_h1`` and ``zbv`` as data (simulator, coverage, CSV), their bubble and
+activation peak under the unit-cost timing model against 1F1B, and the split backward (``B`` = input gradient,
+``W`` = weight gradients) against one ordinary backward. Multi-rank parity (P = 2 and 4, tied weights, ZeRO-1,
+Lightning) is in ``test_pipe_parity.py``, which spawns its ranks once for every schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from examples.gpt_model import GPTConfig
+from examples.gpt_pipe import gpt_pipeline
+from zlightning.pipe import Action, ActionKind, PipelineConfig, PipelineEngine, Schedule, ScheduleError, build_schedule, simulate, timeline
+from zlightning.pipe._backward import backward_input, backward_weight
+from zlightning.pipe._schedule import add_send_recv, zb_h1, zbv
+
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=4, n_head=4, bias=False)
+
+
+@pytest.mark.parametrize("name", ["zb_h1", "zbv"])
+def test_zero_bubble_schedules_are_valid_for_every_size(name: str) -> None:
+    v = 2 if name == "zbv" else 1
+    for p in range(1, 7):
+        for m in range(1, 13):
+            sched = build_schedule(name, p, m, v)  # lowered and simulated
+            assert sched.split == {(s, i) for s in range(p * v) for i in range(m)}  # every backward is split
+            for r, prog in enumerate(sched.programs):
+                assert {a.stage for a in prog} == set(sched.stages_of(r))
+                for s in sched.stages_of(r):
+                    for kind in (F, B, W):
+                        assert sorted(a.microbatch for a in prog if a.stage == s and a.kind is kind) == list(range(m))
+
+
+def test_placements() -> None:
+    v = build_schedule("zbv", 3, 6, 2)
+    assert [v.stages_of(r) for r in range(3)] == [(0, 5), (1, 4), (2, 3)]  # the V: first and last stage on rank 0
+    assert build_schedule("zb_h1", 3, 6).stages_of(1) == (1,)
+    assert build_schedule("inference", 3, 6, 2, "v").stages_of(0) == (0, 5)
+    # the turn of the V (stage 2 -> 3, both on rank 2) needs no transfer
+    assert not any(a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) and a.stage in (2, 3) and a.stage != 2 for a in v.programs[2] if a.kind is ActionKind.RECV_F)
+    assert Action(2, ActionKind.SEND_F, 0) not in v.programs[2]
+
+
+def test_zb_h1_structure_bubble_and_memory() -> None:
+    """1F1B's F/B order; on rank r the W of micro-batch j right after the B of j + r. Unit costs (F = B = W): the
+    bubble is (P-1)/(3M+P-1), a third of 1F1B's idle time, and no rank holds more activations than 1F1B's peak."""
+    h1 = zb_h1(3, 6)
+    assert " ".join(map(str, h1.programs[2][:8])) == "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3"
+    assert " ".join(map(str, h1.programs[0][:8])) == "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1"
+    for p in (2, 3, 4, 6):
+        for m in (p, 2 * p, 8, 16):
+            zb = timeline(build_schedule("zb_h1", p, m), 1.0, 2.0, 1.0)
+            ref = timeline(build_schedule("1f1b", p, m), 1.0, 2.0)
+            assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+            assert (zb.makespan - 3 * m) == pytest.approx((ref.makespan - 3 * m) / 3)
+            assert max(zb.peak_activations()) <= max(ref.peak_activations()) == min(p, m)
+
+
+def test_zbv_bubble_and_memory() -> None:
+    """Unit chunk costs: on two ranks ZBV's bubble is half of ZB-H1's and a fifth of 1F1B's at M = 8; every rank
+    stays within 1F1B's peak of 2P chunk activations (P micro-batches of a rank's layers)."""
+    for m, expected in ((4, 0.04), (8, 0.02), (16, 0.01)):
+        assert timeline(build_schedule("zbv", 2, m, 2), 1.0, 2.0, 1.0).bubble_fraction == pytest.approx(expected, abs=5e-4)
+    for p in (2, 3, 4, 6):
+        for m in (p, 2 * p, 4 * p):
+            t = timeline(build_schedule("zbv", p, m, 2), 1.0, 2.0, 1.0)
+            ref = timeline(build_schedule("1f1b", p, m), 1.0, 2.0)
+            assert max(t.peak_activations()) <= 2 * max(ref.peak_activations())
+            if p <= 4:  # beyond, this list scheduler's warm-up costs more (see [Note: zero-bubble schedules])
+                assert t.bubble_fraction < ref.bubble_fraction
+
+
+def test_csv_round_trip_weights_and_simulator_errors() -> None:
+    sched = build_schedule("zbv", 2, 4, 2)
+    back = Schedule.from_csv(sched.to_csv(), name="zbv", num_stages=4, num_microbatches=4, placement="v")
+    assert back.programs == sched.programs and back.lowered and back.placement == "v"
+    simulate(back)
+    assert Action.parse("3W2") == Action(3, W, 2)
+    bad = Schedule.from_csv("0F0,0W0,0B0", name="w-first", num_stages=1, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="weight gradient 0W0 before its backward"):
+        simulate(bad)
+    twice = Schedule.from_csv("0F0,0B0,0W0,0W0", name="twice", num_stages=1, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="WEIGHT for micro-batches \\[0, 0\\]"):
+        simulate(twice)
+    with pytest.raises(ValueError, match="'v' placement needs 2 stages per rank"):
+        Schedule("x", 2, 2, 1, ((), ()), placement="v")
+
+
+def test_lowering_receives_in_the_senders_order() -> None:
+    """With two chunks per rank a rank may consume messages of one peer in another order than they were sent; the
+    lowering then receives the earlier ones first (here rank 1 receives activation 2 before the gradient 0)."""
+    prog = build_schedule("zbv", 2, 4, 2).programs[1]
+    text = " ".join(map(str, prog))
+    assert "1RECV_F2 2RECV_B0 2B0" in text
+    # schedules whose receive order already matches are lowered exactly as before
+    assert " ".join(map(str, add_send_recv(build_schedule("1f1b", 2, 4)).programs[1][:4])) == "1RECV_F0 1F0 1B0 1SEND_B0"
+
+
+def test_config_accepts_zero_bubble_schedules() -> None:
+    assert PipelineConfig(schedule="zbv").chunks_per_rank == 2 and PipelineConfig(schedule="zbv").placement == "v"
+    assert PipelineConfig(schedule="zb_h1").chunks_per_rank == 1
+    with pytest.raises(ValueError, match="'zbv' runs two chunks per rank"):
+        PipelineConfig(schedule="zbv", virtual_stages=3)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved_1f1b'"):
+        PipelineConfig(schedule="zb_h1", virtual_stages=2)
+    with pytest.raises(ValueError, match="'zbv' runs two chunks per rank"):
+        build_schedule("zbv", 2, 4)
+
+
+# ---------------------------------------------------------------------------------------------------- split backward
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("interval", [0, 1])
+def test_split_backward_equals_one_backward(interval: int) -> None:
+    """The last GPT stage (blocks, norm, tied head, loss) with a received input: ``B`` gives the input gradient and
+    no weight gradient, ``W`` gives exactly the weight gradients of one backward (also with activation
+    checkpointing)."""
+    torch.manual_seed(0)
+    split, whole = (gpt_pipeline(CFG, activation_checkpoint_interval=interval).build((1,), 2) for _ in range(2))
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = torch.randint(0, 64, (2, 16))
+    loss = split.compute_loss(split.run_stage(1, x), y)
+    work = backward_input([loss * 0.5], [torch.ones(())], [x])
+    assert work is not None and work.levels and not _grads(split)
+    backward_weight(work)
+    (whole.compute_loss(whole.run_stage(1, x_ref), y) * 0.5).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    expected = _grads(whole)
+    assert _grads(split).keys() == expected.keys()
+    for name, g in _grads(split).items():
+        torch.testing.assert_close(g, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_first_stage_is_all_weight_and_shared_weights_fall_back() -> None:
+    torch.manual_seed(0)
+    split, whole = (gpt_pipeline(CFG).build((0,), 2) for _ in range(2))
+    ids = torch.randint(0, 64, (2, 16))
+    out = split.run_stage(0, ids)
+    g = torch.randn_like(out)
+    work = backward_input([out], [g], [])  # token ids: no input gradient, the whole backward is W
+    assert work is not None and not work.levels and not _grads(split)
+    backward_weight(work)
+    whole.run_stage(0, ids).backward(g)
+    for name, value in _grads(whole).items():
+        torch.testing.assert_close(_grads(split)[name], value, msg=name)
+    # one weight used at two depths of the input path: B runs the whole backward, W has nothing to do
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = lin(torch.tanh(lin(x)))
+    assert backward_input([out], [torch.ones_like(out)], [x]) is None
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_single_process_engine_with_zero_bubble_schedule(schedule: str) -> None:
+    """One rank (P = 1; zbv: both chunks of the V on it): train_batch equals a plain loop."""
+    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    engine = PipelineEngine(gpt_pipeline(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2, schedule=schedule))
+    ref = gpt_pipeline(CFG).build()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = engine.train_batch(batch=(ids[:, :-1], ids[:, 1:]))
+        losses = [ref.compute_loss(ref(x), y) for x, y in zip(ids[:, :-1].chunk(2), ids[:, 1:].chunk(2))]
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(float(loss), float(sum(losses).detach()) / 2, rtol=1e-5, atol=1e-6)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(engine.module.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lightning_cli_selects_zero_bubble_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    from zlightning.cli import main
+
+    base = ["fit", "--config", "examples/gpt_zero3.yaml", "--trainer.strategy=zlightning.strategies.PipelineStrategy"]
+    with pytest.raises(SystemExit) as done:
+        main(base + ["--trainer.strategy.schedule=zbv", "--print_config"])
+    assert done.value.code == 0 and "schedule: zbv" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        main(base + ["--trainer.strategy.schedule=zb_h2", "--print_config"])
+    assert bad.value.code != 0 and "zb_h1" in capsys.readouterr().err

@@ -1,0 +1,185 @@
+"""Splitting one stage's backward into the input gradient (``B``) and the weight gradients (``W``).
+
+[Note: how a backward is split]
+The autograd graph of one stage and micro-batch runs from its outputs (or loss) down to two kinds of leaves: the
+stage inputs (received activations, which require grad) and the parameters. Call a node *on the input path* if some
+stage input is reachable from it. ``B`` runs autograd restricted to the stage inputs (``inputs=``), which executes
+exactly the nodes on the input path and, inside each, only the outputs that lead to an input: a matrix multiply then
+computes ``dX`` but not ``dW``. The nodes where the weight side branches off the input path (*split nodes*: on the
+input path, with an edge to a node that reaches a parameter but no input) get a pre-hook that records the gradient
+arriving at them, and the graph is kept (``retain_graph``).
+
+``W`` then finishes the weight side from those records in two phases. Phase 1 re-enters each split node with its
+recorded gradient and asks autograd only for the gradients along its weight-side edges (``GradientEdge`` inputs):
+autograd executes the split node alone, computing just its weight outputs (``dW``, not ``dX`` again), and stops at
+the edges. Split nodes that reach one another are re-entered in separate calls (grouped by depth from the outputs:
+nodes of equal depth cannot reach each other), since a call with both would run the nodes between them and count
+the deeper one twice. Phase 2 is one ordinary backward from all those edges, plus the outputs whose node is not on
+the input path at all (a first stage whose input is token ids has no input path: its whole backward is ``W``), into
+the parameters' ``.grad`` with their usual hooks. Each weight gradient is therefore computed once and the input path
+is never re-run: ``B + W`` costs what one backward costs, plus one graph walk (a few hundred nodes per stage).
+
+One graph shape cannot be split this way: a node of the weight side reachable from split nodes of two different
+depths (a parameter used twice along the stage's input path, e.g. a weight tied inside one stage), because phase 1
+of the shallower node would run the deeper one. ``B`` then detects it and runs the whole backward itself, and ``W``
+has nothing to do: the same numbers, without the deferral.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["DeferredWeights", "backward_input", "backward_weight"]
+
+
+@dataclass
+class DeferredWeights:
+    """What a split backward's ``W`` still has to compute (holds the stage's graph until then)."""
+
+    levels: list[tuple[list[GradientEdge], list[torch.Tensor], list[GradientEdge]]] = field(default_factory=list)
+    """Per depth: split-node outputs (re-entry points), the gradients recorded there, and the weight-side edges."""
+    roots: list[GradientEdge] = field(default_factory=list)
+    """Stage outputs whose node reaches parameters only (phase 2 starts there directly)."""
+    root_grads: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Graph:
+    """One walk of a stage's graph: which nodes reach an input, which reach a parameter, and their depth."""
+
+    order: list[Node]
+    """Every node reachable from the outputs, outputs first (reverse post-order: parents before children)."""
+    to_input: set[Node]
+    to_param: set[Node]
+    depth: dict[Node, int]
+
+
+def _walk(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
+    post: list[Node] = []
+    seen: set[Node] = set()
+    for root in roots:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(root.next_functions))]
+        while stack:
+            node, children = stack[-1]
+            for child, _ in children:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append((child, iter(child.next_functions)))
+                    break
+            else:
+                stack.pop()
+                post.append(node)
+    to_input: set[Node] = set()
+    to_param: set[Node] = set()
+    for node in post:  # children first
+        if node in input_nodes:
+            to_input.add(node)
+        elif not node.next_functions and hasattr(node, "variable"):
+            to_param.add(node)  # an AccumulateGrad of a parameter
+        for child, _ in node.next_functions:
+            if child is not None:
+                if child in to_input:
+                    to_input.add(node)
+                if child in to_param:
+                    to_param.add(node)
+    order = post[::-1]
+    depth = {node: 0 for node in roots}
+    for node in order:
+        for child, _ in node.next_functions:
+            if child is not None:
+                depth[child] = max(depth.get(child, 0), depth.get(node, 0) + 1)
+    return _Graph(order, to_input, to_param, depth)
+
+
+def _weight_edges(node: Node, graph: _Graph) -> list[tuple[Node, int]]:
+    return [
+        (child, nr) for child, nr in node.next_functions
+        if child is not None and child in graph.to_param and child not in graph.to_input
+    ]
+
+
+def _shared_across_depths(splits: dict[Node, list[tuple[Node, int]]], graph: _Graph) -> bool:
+    """Whether a weight-side node is reachable from split nodes of two different depths; see
+    [Note: how a backward is split]."""
+    owner_depth: dict[Node, int] = {}
+    for node, edges in splits.items():
+        d = graph.depth[node]
+        stack = [child for child, _ in edges]
+        while stack:
+            n = stack.pop()
+            seen = owner_depth.get(n)
+            if seen is not None:
+                if seen != d:
+                    return True
+                continue
+            owner_depth[n] = d
+            stack += [c for c, _ in n.next_functions if c is not None and c in graph.to_param]
+    return False
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> DeferredWeights | None:
+    """``B``: accumulates the gradient of ``inputs`` (leaves of this stage) into their ``.grad`` and returns the
+    deferred weight work for ``backward_weight``; see [Note: how a backward is split]. Returns None when it ran the
+    whole backward (parameters included) because the graph cannot be split."""
+    root_edges = [get_gradient_edge(t) for t in outputs]
+    input_nodes = {get_gradient_edge(t).node for t in inputs}
+    graph = _walk([e.node for e in root_edges], input_nodes)
+    splits = {n: _weight_edges(n, graph) for n in graph.order if n in graph.to_input}
+    splits = {n: edges for n, edges in splits.items() if edges}
+    if _shared_across_depths(splits, graph):
+        torch.autograd.backward(list(outputs), list(grads))
+        return None
+    recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    handles = [n.register_prehook(lambda g, n=n: recorded.__setitem__(n, g)) for n in splits]
+    try:
+        wanted = [(t, g) for t, g, e in zip(outputs, grads, root_edges) if e.node in graph.to_input]
+        if wanted:
+            torch.autograd.backward([t for t, _ in wanted], [g for _, g in wanted], inputs=list(inputs), retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    work = DeferredWeights()
+    by_depth: dict[int, list[Node]] = {}
+    for node in recorded:
+        by_depth.setdefault(graph.depth[node], []).append(node)
+    for d in sorted(by_depth):
+        entries, entry_grads, edges = [], [], []
+        for node in by_depth[d]:
+            for nr, g in enumerate(recorded[node]):
+                if g is not None:
+                    entries.append(GradientEdge(node, nr))
+                    entry_grads.append(g)
+            edges += [e for e in _weight_edges(node, graph) if e not in edges]
+        if entries:
+            work.levels.append((entries, entry_grads, [GradientEdge(c, nr) for c, nr in edges]))
+    for e, g in zip(root_edges, grads):
+        if e.node not in graph.to_input and e.node in graph.to_param:
+            work.roots.append(e)
+            work.root_grads.append(g)
+    return work
+
+
+def backward_weight(work: DeferredWeights | None) -> None:
+    """``W``: accumulates the deferred weight gradients into the parameters' ``.grad``; see
+    [Note: how a backward is split]."""
+    if work is None:
+        return
+    edges, values = list(work.roots), list(work.root_grads)
+    for entries, entry_grads, weight_edges in work.levels:
+        got = torch.autograd.grad(entries, weight_edges, grad_outputs=entry_grads, allow_unused=True)
+        for edge, g in zip(weight_edges, got):
+            if g is not None:
+                edges.append(edge)
+                values.append(g)
+    work.levels.clear()
+    if edges:
+        torch.autograd.backward(edges, values)
