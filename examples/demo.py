@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
@@ -21,13 +20,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import zlightning  # noqa: E402,F401  (registers zstack_zero3)
-from examples.gpt import GPTLightningModule  # noqa: E402
-from zlightning.datamodules import TextCorpusDataModule  # noqa: E402
-from zlightning.strategies import ZeroMemoryMonitor, ZStackZero3Strategy  # noqa: E402
-from zlightning.zero import ZeroConfig, summon_full_params  # noqa: E402
+import zlightning  # noqa: F401  (registers zstack_zero3)
+from zlightning.models import GPTLightningModule
+from zlightning.datamodules import TextCorpusDataModule
+from zlightning.strategies import ZeroMemoryMonitor, ZStackZero3Strategy
+from zlightning.zero import ZeroConfig, summon_full_params
 
 
 class Throughput(Callback):
