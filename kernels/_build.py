@@ -7,6 +7,13 @@ into an import-time crash. Here the compile happens only in this module's `build
 and the torch version (`cache_key`); `zlightning.kernels._ext` only *loads* a library whose key matches the current
 sources and torch, and otherwise warns once and uses the pure-PyTorch reference of every op.
 
+[Note: where built kernels live]
+The library is keyed by sources and torch version (`cache_key`), so any number of builds can share a folder. `build`
+writes into ``build/`` next to these sources when that folder can be written (the repository for an editable
+install, site-packages of a user's own virtualenv), otherwise into the per-user cache (`user_cache_dir`, honouring
+``XDG_CACHE_HOME``), so ``zlightning kernels --build`` works from a system-wide or read-only install too.
+`library_path` (what `_ext` loads) looks in both places, package first; ``ZLIGHTNING_KERNELS_DIR`` replaces both.
+
 The ISA-specific Adam kernel is compiled three times (AVX-512, AVX2, baseline x86-64) from the torch-free
 ``adam_isa.cpp`` and picked at run time by CPU feature detection in ``ops.cpp`` (override with
 ``ZLIGHTNING_KERNELS_ISA=avx2|base``), so one cached library is correct on any x86-64 machine. Only ``ops.cpp``
@@ -28,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["BuildResult", "build", "build_dir", "cache_key", "library_path"]
+__all__ = ["BuildResult", "build", "build_dir", "cache_key", "library_path", "search_dirs", "user_cache_dir"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("zl_kernels.h", "adam_isa.cpp", "aio_uring.cpp", "host_cache.cpp", "ops.cpp")
@@ -90,22 +97,52 @@ def cache_key(torch_version: str | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def user_cache_dir() -> Path:
+    """The per-user cache for built libraries: ``$XDG_CACHE_HOME/zlightning/kernels``, else
+    ``~/.cache/zlightning/kernels``."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "zlightning" / "kernels"
+
+
+def _package_build_dir() -> Path:
+    return Path(__file__).resolve().parent / "build"
+
+
+def _writable(path: Path) -> bool:
+    """True when ``path`` can be created or written: the nearest existing ancestor is writable."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return os.access(path, os.W_OK)
+
+
 def build_dir() -> Path:
-    """Where built libraries are cached: ``$ZLIGHTNING_KERNELS_DIR``, else ``kernels/build`` if writable (editable
-    installs), else ``~/.cache/zlightning/kernels``."""
+    """Where `build` writes: ``$ZLIGHTNING_KERNELS_DIR``, else ``build/`` inside the installed package when it is
+    writable (an editable install, a user's own virtualenv), else `user_cache_dir` (a system-wide or read-only
+    install). See [Note: where built kernels live]."""
     env = os.environ.get("ZLIGHTNING_KERNELS_DIR")
     if env:
         return Path(env)
-    local = Path(__file__).resolve().parent / "build"
-    parent = local if local.exists() else local.parent
-    if os.access(parent, os.W_OK):
-        return local
-    return Path.home() / ".cache" / "zlightning" / "kernels"
+    local = _package_build_dir()
+    return local if _writable(local) else user_cache_dir()
+
+
+def search_dirs() -> list[Path]:
+    """Where a built library is looked for, in order: ``$ZLIGHTNING_KERNELS_DIR`` alone when set, else the package's
+    ``build/`` then `user_cache_dir`."""
+    env = os.environ.get("ZLIGHTNING_KERNELS_DIR")
+    if env:
+        return [Path(env)]
+    return [_package_build_dir(), user_cache_dir()]
 
 
 def library_path(key: str | None = None) -> Path:
-    """The cached library for the current sources and torch (it may not exist yet)."""
-    return build_dir() / (key or cache_key()) / LIB_NAME
+    """The library for the current sources and torch: the first of `search_dirs` that has one, else where `build`
+    would write it (it may not exist yet)."""
+    key = key or cache_key()
+    for base in search_dirs():
+        if (base / key / LIB_NAME).exists():
+            return base / key / LIB_NAME
+    return build_dir() / key / LIB_NAME
 
 
 def _commands(cxx: str, out: Path, includes: list[str], lib_dir: str, abi: bool) -> tuple[list[list[str]], list[str], str]:
@@ -164,14 +201,16 @@ def build(force: bool = False, verbose: bool = True) -> BuildResult:
         return BuildResult(False, "", "", "", "", torch_version, "", 0.0, str(err))
     cver = _compiler_version(cxx)
     key = cache_key(torch_version)
-    out = build_dir() / key
-    lib = out / LIB_NAME
-    if lib.exists() and not force:
+    found = library_path(key)
+    if found.exists() and not force:
+        out, lib = found.parent, found
         meta = json.loads((out / "build.json").read_text()) if (out / "build.json").exists() else {}
         if verbose:
             print(f">> zlightning kernels: cached build {lib} (built in {meta.get('seconds', 0):.0f}s)")
         return BuildResult(True, str(lib), key, cxx, cver, torch_version, meta.get("flags", ""),
                            meta.get("seconds", 0.0))
+    out = build_dir() / key
+    lib = out / LIB_NAME
     out.mkdir(parents=True, exist_ok=True)
     cmds, link, flags = _commands(cxx, out, includes, lib_dir, abi)
     if verbose:

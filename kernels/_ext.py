@@ -51,7 +51,8 @@ def _load() -> ExtStatus:
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else None
     if not lib.exists():
         why = "not built for these sources and this torch" if meta is None or meta.get("ok") else "the build failed"
-        return ExtStatus(False, f"{why} (expected {lib})", str(lib), meta)
+        where = " or ".join(str(d / lib.parent.name) for d in _build.search_dirs())
+        return ExtStatus(False, f"{why} (looked for {lib.name} in {where})", str(lib), meta)
     try:
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as err:

@@ -90,3 +90,30 @@ def test_isa_override_and_unknown_isa():
             torch.ops.zlightning.set_isa("sse9")
     finally:
         torch.ops.zlightning.set_isa("")
+
+
+def test_build_dir_falls_back_to_the_user_cache_when_the_package_is_read_only(tmp_path, monkeypatch):
+    monkeypatch.delenv("ZLIGHTNING_KERNELS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    package = _build._package_build_dir()
+    assert _build.search_dirs() == [package, tmp_path / "xdg" / "zlightning" / "kernels"]
+    monkeypatch.setattr(_build, "_writable", lambda path: False)  # e.g. a system-wide install
+    assert _build.build_dir() == tmp_path / "xdg" / "zlightning" / "kernels"
+    monkeypatch.setenv("CXX", "/bin/false")  # the build runs (and fails fast) in the user cache
+    res = _build.build(force=True, verbose=False)
+    assert not res.ok and (tmp_path / "xdg" / "zlightning" / "kernels" / res.key / "build.json").exists()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _build.user_cache_dir() == tmp_path / "home" / ".cache" / "zlightning" / "kernels"
+
+
+def test_library_path_finds_a_build_in_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("ZLIGHTNING_KERNELS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_build, "_package_build_dir", lambda: tmp_path / "package" / "build")
+    key = _build.cache_key()
+    assert _build.library_path(key) == tmp_path / "package" / "build" / key / _build.LIB_NAME  # none yet: where
+    cached = tmp_path / "zlightning" / "kernels" / key / _build.LIB_NAME                    # build would write
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"")
+    assert _build.library_path(key) == cached
