@@ -5,6 +5,7 @@ Lightning) is in ``test_pipe_parity.py``, which spawns its ranks once for every 
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -174,10 +175,18 @@ def test_single_process_engine_with_zero_bubble_schedule(schedule: str) -> None:
         torch.testing.assert_close(engine.module.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+class TinyPipeModule(pl.LightningModule):
+    """A LightningModule holding a PipelineModule, for the command line to name by class path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipe = gpt_pipeline(CFG)
+
+
 def test_lightning_cli_selects_zero_bubble_schedules(capsys: pytest.CaptureFixture[str]) -> None:
     from zlightning.cli import main
 
-    base = ["fit", "--config", "examples/gpt_zero3.yaml", "--trainer.strategy=zlightning.strategies.PipelineStrategy"]
+    base = ["fit", f"--model={__name__}.TinyPipeModule", "--trainer.strategy=zlightning.strategies.PipelineStrategy"]
     with pytest.raises(SystemExit) as done:
         main(base + ["--trainer.strategy.schedule=zbv", "--print_config"])
     assert done.value.code == 0 and "schedule: zbv" in capsys.readouterr().out

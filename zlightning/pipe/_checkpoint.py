@@ -32,6 +32,15 @@ group each came from; so ZeRO-1 state saved on DP=2 x PP=2 resumes on PP=4 or DP
 optimizer whose state is per parameter (every ``torch.optim`` optimizer except LBFGS) and the same param-group
 layout on both sides. A tied parameter's state is the same on all its owning stages; any copy serves.
 
+[Note: ZeRO-2/3 checkpoints]
+Under ``zero_stage`` 2 or 3 each replica holds a slice of its stage. Saving gathers, one collective per engine of the
+stage, the full parameters (written as the usual layer and tie files) and the full-shaped optimizer state to
+data-parallel replica 0 of each stage, which writes the stage's one optimizer file (``optim_ppSS_dp00.pt``, every
+parameter's state with its name); the other replicas write none. Loading always goes through the by-name path of
+[Note: optimizer state on another grid] and each rank cuts the full state to its own slice, so such a checkpoint
+resumes on any split, replica count and ZeRO stage (0-3), and a ZeRO-0/1 checkpoint resumes under ZeRO-2/3. The
+price is the gather: replica 0 of a stage holds that stage's full parameters and optimizer state while saving.
+
 [Note: checkpoints with tensor parallelism]
 Under TP each rank holds slices of its layers, written as they are (no gather) with the TP index in the file name;
 tied layers are replicated over TP and written once. Such a checkpoint reloads on the same pipeline split and TP size
@@ -114,17 +123,24 @@ def save_pipeline_checkpoint(
         path.mkdir(parents=True, exist_ok=True)
     _barrier()
     path.mkdir(parents=True, exist_ok=True)
+    zero = engine.zero  # ZeRO-2/3: layers, tie groups and optimizer state gathered to replica 0 (collectives)
+    full_layers = zero.full_layer_states() if zero is not None else {}
+    full_tied = {key: zero.full_tied_state(key) for key in sorted(zero.tied)} if zero is not None else {}
     if grid.dp_rank == 0:
         for idx in _local_layers(engine):
-            torch.save(module.get_submodule(str(idx)).state_dict(), path / _layer_file(idx, grid.tp, grid.tp_rank))
+            state = full_layers[idx] if idx in full_layers else module.get_submodule(str(idx)).state_dict()
+            torch.save(state, path / _layer_file(idx, grid.tp, grid.tp_rank))
         for key, src in engine.groups.tied_src.items():
             if src == grid.rank and grid.tp_rank == 0:  # replicated over TP: written once
-                torch.save(module.tied_modules[key].state_dict(), path / f"tied_{key}-model_states.pt")
+                state = full_tied[key] if key in full_tied else module.tied_modules[key].state_dict()
+                torch.save(state, path / f"tied_{key}-model_states.pt")
     optimizer = optimizer if optimizer is not None else engine.optimizer
     if optimizer is not None:
         names = _param_names(engine)
-        optim = {"optimizer": optimizer.state_dict(), "param_names": [names.get(id(p)) for p in _optimizer_params(optimizer)]}
-        torch.save(optim, path / _optim_file(grid.stage, grid.dp_rank, grid.tp, grid.tp_rank))
+        optim_sd = zero.full_optimizer_state(optimizer) if zero is not None else optimizer.state_dict()
+        optim = {"optimizer": optim_sd, "param_names": [names.get(id(p)) for p in _optimizer_params(optimizer)]}
+        if zero is None or grid.dp_rank == 0:  # see [Note: ZeRO-2/3 checkpoints]
+            torch.save(optim, path / _optim_file(grid.stage, grid.dp_rank, grid.tp, grid.tp_rank))
     if grid.rank == 0:
         meta = {"format": _FORMAT, "bounds": module.bounds, "pp": grid.pp, "dp": grid.dp, "num_layers": len(module.specs),
                 "zero_stage": engine.config.zero_stage, "tp": grid.tp, "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
@@ -168,7 +184,7 @@ def _regridded_state(
     grid]."""
     names = _param_names(engine)
     params = _optimizer_params(optimizer)
-    owned = {id(p) for p in params}
+    owned = {id(p) for p in params}  # ZeRO-2/3: every piece (its full-shaped state is cut to the piece below)
     if engine.zero1 is not None:
         owned = {id(p) for p, o in zip(engine.zero1.params, engine.zero1.owner) if o == engine.grid.dp_rank}
     wanted = {names[id(p)]: i for i, p in enumerate(params) if id(p) in names and id(p) in owned}
@@ -194,6 +210,8 @@ def _regridded_state(
         source = next((group_of[i] for i in g["params"] if i in group_of), None)
         hyper = {k: v for k, v in (source or g).items() if k not in ("params", "param_names")}
         groups.append({**g, **hyper})  # this grid's parameter indices (and names, if any), the saved hyperparameters
+    if engine.zero is not None:
+        return engine.zero.shard_optimizer_state(optimizer, {"state": state, "param_groups": groups})
     return {"state": state, "param_groups": groups}
 
 
@@ -251,7 +269,8 @@ def load_pipeline_checkpoint(
     optim_state = None
     if optimizer is not None and load_optimizer:
         same = meta["pp"] == grid.pp and meta["dp"] == grid.dp and meta["bounds"] == module.bounds
-        if same and (grid.dp == 1 or meta.get("zero_stage", 0) == engine.config.zero_stage):
+        sharded = max(meta.get("zero_stage", 0), engine.config.zero_stage) >= 2  # full-shaped state, cut on load
+        if same and not sharded and (grid.dp == 1 or meta.get("zero_stage", 0) == engine.config.zero_stage):
             own = _optim_file(grid.stage, grid.dp_rank, grid.tp, grid.tp_rank)
             optim_state = _split_optim_file(load(own, map_location=engine.device))[0]
         elif grid.tp > 1:
@@ -263,10 +282,16 @@ def load_pipeline_checkpoint(
         else:
             optim_state = _regridded_state(engine, optimizer, path, meta, weights_only)
     # Everything is read: restore.
+    zero = engine.zero
+    sharded_layers = zero.layer_ids if zero is not None else set()
     for idx, state in layers.items():
-        module.get_submodule(str(idx)).load_state_dict(state)
-    for key, state in tied.items():
-        module.tied_modules[key].load_state_dict(state)
+        if idx not in sharded_layers:
+            module.get_submodule(str(idx)).load_state_dict(state)
+    if zero is not None:
+        zero.load_full({i: sd for i, sd in layers.items() if i in sharded_layers}, tied)
+    else:
+        for key, state in tied.items():
+            module.tied_modules[key].load_state_dict(state)
     if optimizer is not None and optim_state is not None:
         optimizer.load_state_dict(optim_state)
     if load_optimizer and engine.scaler is not None and meta.get("loss_scaler") is not None:

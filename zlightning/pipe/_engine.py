@@ -59,6 +59,7 @@ from zlightning.pipe._schedule import Placement, Schedule, build_schedule
 from zlightning.inject import InjectPolicy
 from zlightning.pipe._tensor import shard_stage
 from zlightning.pipe._topology import PipeGrid, PipeGroups
+from zlightning.pipe._zero import StageSharding
 from zlightning.zero import DynamicLossScaler, LossScalerConfig
 
 __all__ = ["PipelineConfig", "PipelineEngine", "split_microbatches"]
@@ -73,7 +74,7 @@ class PipelineConfig:
 
     Raises:
         ValueError: a size below its minimum, an unknown schedule, virtual stages without ``interleaved_1f1b``, or
-            ZeRO stage 2/3 (incompatible with pipelining: gradients must stay whole until the end of the batch).
+            ZeRO stage 2/3 with tensor parallelism or a zero-bubble schedule.
     """
 
     micro_batches: int = 4
@@ -86,7 +87,10 @@ class PipelineConfig:
     virtual_stages: int | None = None
     """Model chunks per rank; default 2 for ``interleaved_1f1b`` and ``zbv`` (which needs 2), else 1."""
     zero_stage: int = 0
-    """0, or 1 to shard optimizer state over the data-parallel group."""
+    """0; 1 to shard optimizer state over the data-parallel group; 2 or 3 to shard each stage's gradients and
+    optimizer state (3: and parameters between batches) over it with the ZeRO engine, gathering the stage once per
+    batch and reduce-scattering its gradients once per batch (see [Note: ZeRO inside a pipeline stage] in
+    ``_zero.py``)."""
     gradient_clipping: float = 0.0
     """Clip by global norm (0: off). Used by ``train_batch``; Lightning passes ``Trainer(gradient_clip_val)``."""
     loss_scaler: LossScalerConfig | None = None
@@ -113,18 +117,25 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig: schedule='zbv' runs two chunks per rank; virtual_stages={v} must be None or 2")
         if v not in (None, 1) and self.schedule not in ("interleaved_1f1b", "zbv"):
             raise ValueError(f"PipelineConfig: virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})")
-        if self.zero_stage in (2, 3):
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"PipelineConfig: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.zero_stage >= 2 and self.schedule in ("zb_h1", "zbv"):
             raise ValueError(
-                f"PipelineConfig: zero_stage={self.zero_stage} is incompatible with pipeline parallelism (gradients "
-                "accumulate over all micro-batches of a batch); use zero_stage=1 to shard optimizer state"
+                f"PipelineConfig: zero_stage={self.zero_stage} with schedule={self.schedule!r}: the ZeRO engine gathers "
+                "a stage's parameters through one autograd node, so a backward cannot leave its weight gradients for "
+                "later; use schedule='1f1b' (or 'gpipe'/'interleaved_1f1b') with ZeRO-2/3, or zero_stage=1 with "
+                "the zero-bubble schedules"
             )
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"PipelineConfig: zero_stage must be 0 or 1, got {self.zero_stage!r}")
         if self.gradient_clipping < 0:
             raise ValueError(f"PipelineConfig: gradient_clipping must be >= 0, got {self.gradient_clipping}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"PipelineConfig: tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1 and self.zero_stage >= 2:
+            raise ValueError(
+                f"PipelineConfig: zero_stage={self.zero_stage} with tensor_parallel_size={tp} is not supported (tensor "
+                "parallelism replaces the layers the ZeRO engine would shard); use zero_stage=1 with TP"
+            )
         if self.tp_policy is not None and not isinstance(self.tp_policy, InjectPolicy):
             raise ValueError(
                 f"PipelineConfig: tp_policy must be None or a zlightning.inject.InjectPolicy, got {type(self.tp_policy).__name__}"
@@ -245,7 +256,12 @@ class PipelineEngine:
             )
         self._inputs_checked = tp == 1
         self.p2p = P2P(self.device)
+        self.zero: StageSharding | None = None
+        """ZeRO-2/3 engines of this rank's stage(s); see [Note: ZeRO inside a pipeline stage]."""
         self._sync_replicas()
+        if config.zero_stage >= 2:
+            self.zero = StageSharding(module, config.zero_stage, self.groups.data, self.device)
+            module.layer_context = self.zero.forward_pass
         self.optimizer = optimizer(module.parameters()) if is_factory else optimizer
         if isinstance(self.optimizer, torch.optim.Optimizer):
             _check_optimizer_params(self.optimizer, module)
@@ -305,7 +321,8 @@ class PipelineEngine:
                     dist.broadcast(p.data, src=self.groups.tied_src[key], group=group)
         if self.grid.dp > 1:
             src = self.grid.global_rank(self.grid.stage, 0, self.grid.tp_rank)
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
+            params = [] if self.zero is not None else list(self.module.parameters())  # shards differ by design
+            for t in params + list(self.module.buffers()):
                 dist.broadcast(t.data, src=src, group=self.groups.data)
 
     @torch.no_grad()
@@ -338,9 +355,11 @@ class PipelineEngine:
             self.module, schedule, self.grid.stage, self.p2p, peers,
             [_to(x, self.device) for x in inputs], [_to(y, self.device) for y in labels],
             loss_scale=self.loss_scale_factor * self.loss_scale / schedule.num_microbatches, keep_outputs=keep, with_loss=with_loss,
-            timings=self.timings,
+            timings=self.timings, zero=self.zero,
         )
         run.run()
+        if self.zero is not None and not schedule.training:
+            self.zero.release()
         return run
 
     def _mean_loss(self, run: BatchRun, deferred: list[Any] | None = None) -> torch.Tensor:
@@ -393,7 +412,8 @@ class PipelineEngine:
         if self.stash_gradients:
             for p, old in before.items():
                 if p.grad is not None:
-                    self._stash[p] = p.grad if p not in self._stash else self._stash[p] + p.grad
+                    g = p.grad.clone() if self.zero is not None else p.grad  # ZeRO: views of the engine's buffer
+                    self._stash[p] = g if p not in self._stash else self._stash[p] + g
                 p.grad = old
         return loss
 
@@ -557,7 +577,8 @@ class PipelineEngine:
         """Sums tied gradients over their owning stages, then averages all gradients over data-parallel replicas."""
         for key, group in self.groups.tied.items():
             allreduce_sum(self._grads(self.module.tied_parameters(key)), group)
-        allreduce_mean(self._grads(self.module.parameters()), self.groups.data, self.grid.dp)
+        if self.zero is None:  # ZeRO-2/3: the reduce-scatter averaged over the replicas already
+            allreduce_mean(self._grads(self.module.parameters()), self.groups.data, self.grid.dp)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -565,7 +586,10 @@ class PipelineEngine:
         tied weights once; under TP the slices summed over the TP group and replicated parameters counted once).
         Call after ``reduce_gradients``. Returns the norm."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = global_grad_norm(params, self._tied_duplicates(), self.groups.pipe, self.tp_split, self.groups.tensor, self.grid.tp)
+        norm = global_grad_norm(
+            params, self._tied_duplicates(), self.groups.pipe, self.tp_split, self.groups.tensor, self.grid.tp,
+            shard_group=self.groups.data if self.zero is not None else None,
+        )
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
             p.grad.mul_(coef.to(p.grad.dtype))
@@ -608,9 +632,23 @@ class PipelineEngine:
             self.zero1.drop_foreign_grads()
 
     def after_step(self) -> None:
-        """ZeRO-1: broadcast each parameter from the replica that stepped it."""
+        """ZeRO-1: broadcast each parameter from the replica that stepped it. ZeRO-2/3: gathered copies are stale
+        (ZeRO-3 frees them)."""
         if self.zero1 is not None:
             self.zero1.broadcast_from_owners()
+        if self.zero is not None:
+            self.zero.after_step()
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's resident model-state bytes under ZeRO-2/3 (``zlightning.zero.MemoryReport`` fields summed
+        over the stage's engines).
+
+        Raises:
+            RuntimeError: ``zero_stage`` is below 2.
+        """
+        if self.zero is None:
+            raise RuntimeError("PipelineEngine.memory_report() reports ZeRO-2/3 stages; this engine runs zero_stage < 2")
+        return self.zero.memory_report(self.optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self.before_step()

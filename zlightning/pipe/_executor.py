@@ -21,6 +21,7 @@ from zlightning.pipe._backward import DeferredWeights, backward_input, backward_
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, Incoming, IncomingGrads, TensorMeta, flatten, unflatten
 from zlightning.pipe._schedule import Action, ActionKind, Schedule
+from zlightning.pipe._zero import StageSharding
 
 __all__ = ["BatchRun", "describe"]
 
@@ -58,6 +59,9 @@ class BatchRun:
     """Keep the last stage's outputs (prediction, ``return_logits``)."""
     with_loss: bool = True
     """Compute the loss on the last stage (False for prediction)."""
+    zero: StageSharding | None = None
+    """ZeRO-2/3 engines of this rank: only the rank's last backward of the batch reduce-scatters (see
+    [Note: ZeRO inside a pipeline stage] in ``_zero.py``)."""
     timings: list[tuple[str, float, float]] | None = None
     """If a list, each compute action appends ``(action, start, end)`` (``time.perf_counter``; CPU clocks, so on CUDA
     the spans cover launch time unless the device is synchronised). Used by the benchmark's bubble measurement."""
@@ -72,6 +76,7 @@ class BatchRun:
     _weights: dict[tuple[int, int], DeferredWeights | None] = field(default_factory=dict)
     """Weight gradients a split ``B`` left for its ``W`` (see [Note: split backward] in ``_schedule.py``)."""
     _split: frozenset[tuple[int, int]] = frozenset()
+    _backwards_left: int = 0
     _upcoming: dict[tuple[ActionKind, int], deque[Action]] = field(default_factory=dict)
     """Receives of each channel ``(RECV_F / RECV_B, peer)`` not yet posted, in program order."""
     _posted: dict[tuple[ActionKind, int], tuple[Action, Incoming | IncomingGrads]] = field(default_factory=dict)
@@ -93,6 +98,7 @@ class BatchRun:
         }
         program = self.schedule.programs[self.rank]
         self._split = self.schedule.split
+        self._backwards_left = sum(1 for a in program if a.kind is ActionKind.BACKWARD)
         timed = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
         if self.p2p.can_post_ahead:
             for a in program:
@@ -219,6 +225,9 @@ class BatchRun:
         self._y.pop((s, m), None)
         x = self._x.pop((s, m))
         ins = [t for t in flatten(x)[0] if t.requires_grad and t.is_floating_point()] if s > 0 else []
+        self._backwards_left -= 1
+        if self.zero is not None:
+            self.zero.set_gradient_sync(self._backwards_left == 0)
         if (s, m) in self._split:  # see [Note: split backward] in _schedule.py
             self._weights[(s, m)] = backward_input(wanted, grads, ins) if wanted else None
         elif wanted:

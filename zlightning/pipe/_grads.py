@@ -55,9 +55,11 @@ def global_grad_norm(
     split: frozenset[int] = frozenset(),
     tp_group: dist.ProcessGroup | None = None,
     tp: int = 1,
+    shard_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """L2 norm of all gradients of the whole model: local squares (parameters whose id is in ``skip`` are duplicates
-    counted on another stage) summed over the pipeline group. Data-parallel replicas hold equal reduced gradients.
+    counted on another stage) summed over the pipeline group. Data-parallel replicas hold equal reduced gradients,
+    unless ``shard_group`` is given (ZeRO-2/3 stages): each replica then holds a slice, summed over that group.
     Under TP (``tp_group``), parameters whose id is in ``split`` are slices summed over the TP group; the others are
     replicated on it and counted once (see [Note: PP x TP] in ``_engine.py``)."""
     device = params[0].device if params else torch.device("cpu")
@@ -65,6 +67,8 @@ def global_grad_norm(
     for p in params:
         if p.grad is not None and id(p) not in skip:
             sq[0 if id(p) in split else 1] += p.grad.detach().double().pow(2).sum()
+    if shard_group is not None:
+        dist.all_reduce(sq, group=shard_group)
     if pipe_group is not None:
         dist.all_reduce(sq, group=pipe_group)
     if tp_group is not None and tp > 1:

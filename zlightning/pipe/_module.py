@@ -28,8 +28,10 @@ another stage count changes nothing numerically. A tie group is seeded by its fi
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -104,6 +106,8 @@ class PipelineModule(nn.Module):
         self.local_stages: tuple[int, ...] = ()
         self._funcs: dict[int, Callable[[Any], Any]] = {}
         self.runner: Any = None  # the PipelineEngine driving this module (batch_loss/predict go through it)
+        self.layer_context: Callable[[], AbstractContextManager[Any]] | None = None
+        """Entered around every run of local layers, recomputation included (ZeRO stages gather their parameters)."""
         self._claimed = False  # a pipeline engine or strategy builds it; see [Note: building without a pipeline]
         self._auto_built = False  # built whole by _ensure_built (discarded by a later build for a real split)
         self._building = False
@@ -310,17 +314,19 @@ class PipelineModule(nn.Module):
         k = self.activation_checkpoint_interval
         if k <= 0 or not (self.training and torch.is_grad_enabled()):
             return self._run(indices, x)
-        for start in range(0, len(indices), k):
-            block = indices[start : start + k]
-            if self._checkpointable(block):
-                x = checkpoint(self._run, block, x, use_reentrant=False)
-            else:
-                x = self._run(block, x)
+        with self.layer_context() if self.layer_context is not None else contextlib.nullcontext():  # one pass
+            for start in range(0, len(indices), k):
+                block = indices[start : start + k]
+                if self._checkpointable(block):
+                    x = checkpoint(self._run, block, x, use_reentrant=False)
+                else:
+                    x = self._run(block, x)
         return x
 
     def _run(self, indices: Sequence[int], x: Any) -> Any:
-        for idx in indices:
-            x = self._funcs[idx](x)
+        with self.layer_context() if self.layer_context is not None else contextlib.nullcontext():
+            for idx in indices:
+                x = self._funcs[idx](x)
         return x
 
     def forward(self, inputs: Any) -> Any:
