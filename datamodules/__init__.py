@@ -2,24 +2,59 @@
 
 `TextCorpusDataModule` trains byte-level language models on a real corpus that exists on every machine (the Python
 standard library's source) or on any directory of text files; `PackedByteDataset` packs documents into fixed-length
-next-token samples and keeps the document boundaries.
+next-token samples and keeps the document boundaries. The curriculum pipeline is the subpackage ``curriculum``, the
+hybrid-CP data path the subpackage ``hybrid_cp``.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from zlightning.parallel import CPShard, HybridCPGroups, cp_attention, cp_causal_attention
+
+from .curriculum import (
+    CurriculumDataModule,
+    CurriculumMetricConfig,
+    CurriculumSchedule,
+    CurriculumScheduler,
+    DataAnalyzer,
+    DataEfficiencyConfig,
+    DeepSpeedDataSampler,
+    DistributedDataAnalyzer,
+    IndexFile,
+    MetricSpec,
+    difficulty_at,
+    read_deepspeed_sampler_state,
+    write_metric_index,
+)
+from .hybrid_cp import (
+    CostFn,
+    HybridCPBatch,
+    HybridCPConfig,
+    HybridCPDataLoaderWrapper,
+    HybridCPSubSample,
+    HybridCPTextDataModule,
+    LinearQuadraticCost,
+    PackedDocumentDataset,
+    ScheduleStats,
+    TransformerShape,
+    cp_size_needed,
+    fit_cost,
+    hybrid_cp_forward_backward,
+    quadratic_cost,
+    schedule_hybrid_cp,
+    schedule_stats,
+    transformer_cost,
+    unpack_packed_batch,
+    zigzag_shard,
+)
 from .text import BYTE_VOCAB_SIZE, PackedByteDataset, TextCorpusDataModule, corpus_files
 
-__all__ = ["BYTE_VOCAB_SIZE", "PackedByteDataset", "TextCorpusDataModule", "corpus_files"]
-
-# Curriculum data pipeline (issue 4): DeepSpeed's data-efficiency curriculum, typed, resumable and DP-safe.
-from .curriculum_analyzer import DataAnalyzer, MetricSpec, write_metric_index
-from .curriculum_analyzer_dist import DistributedDataAnalyzer
-from .curriculum_config import CurriculumMetricConfig, DataEfficiencyConfig
-from .curriculum_ds_state import read_deepspeed_sampler_state
-from .curriculum_index import IndexFile
-from .curriculum_module import CurriculumDataModule
-from .curriculum_sampler import DeepSpeedDataSampler
-from .curriculum_schedule import CurriculumSchedule, CurriculumScheduler, difficulty_at
-
-__all__ += [
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "CPShard",
+    "CostFn",
     "CurriculumDataModule",
     "CurriculumMetricConfig",
     "CurriculumSchedule",
@@ -28,69 +63,45 @@ __all__ += [
     "DataEfficiencyConfig",
     "DeepSpeedDataSampler",
     "DistributedDataAnalyzer",
-    "IndexFile",
-    "MetricSpec",
-    "difficulty_at",
-    "read_deepspeed_sampler_state",
-    "write_metric_index",
-]
-
-# Hybrid context parallel (issue 8): the balanced DP×CP scheduler and the loader wrapper that reroutes sub-samples.
-from .hybrid_cp_schedule import (
-    CostFn,
-    ScheduleStats,
-    cp_size_needed,
-    quadratic_cost,
-    schedule_hybrid_cp,
-    schedule_stats,
-)
-from .hybrid_cp_wrapper import (
-    HybridCPBatch,
-    HybridCPConfig,
-    HybridCPDataLoaderWrapper,
-    HybridCPSubSample,
-    unpack_packed_batch,
-    zigzag_shard,
-)
-
-__all__ += [
-    "CostFn",
     "HybridCPBatch",
     "HybridCPConfig",
     "HybridCPDataLoaderWrapper",
-    "HybridCPSubSample",
-    "ScheduleStats",
-    "cp_size_needed",
-    "quadratic_cost",
-    "schedule_hybrid_cp",
-    "schedule_stats",
-    "unpack_packed_batch",
-    "zigzag_shard",
-]
-
-# Hybrid CP (issue 8): context-parallel attention for the example GPT, and the per-sub-sample training loop.
-from .hybrid_cp_attention import CPShard, HybridCPGroups, cp_attention, cp_causal_attention
-from .hybrid_cp_model import gpt_cp_logits, gpt_cp_loss, hybrid_cp_forward_backward
-
-__all__ += [
-    "CPShard",
     "HybridCPGroups",
+    "HybridCPSubSample",
+    "HybridCPTextDataModule",
+    "IndexFile",
+    "LinearQuadraticCost",
+    "MetricSpec",
+    "PackedByteDataset",
+    "PackedDocumentDataset",
+    "ScheduleStats",
+    "TextCorpusDataModule",
+    "TransformerShape",
+    "corpus_files",
     "cp_attention",
     "cp_causal_attention",
+    "cp_size_needed",
+    "difficulty_at",
+    "fit_cost",
     "gpt_cp_logits",
     "gpt_cp_loss",
     "hybrid_cp_forward_backward",
-]
-
-# Hybrid CP (issue 8): shape-derived / measured cost models, and the DataModule option over the real corpus.
-from .hybrid_cp_cost import LinearQuadraticCost, TransformerShape, fit_cost, transformer_cost
-from .hybrid_cp_data import HybridCPTextDataModule, PackedDocumentDataset
-
-__all__ += [
-    "HybridCPTextDataModule",
-    "LinearQuadraticCost",
-    "PackedDocumentDataset",
-    "TransformerShape",
-    "fit_cost",
+    "quadratic_cost",
+    "read_deepspeed_sampler_state",
+    "schedule_hybrid_cp",
+    "schedule_stats",
     "transformer_cost",
+    "unpack_packed_batch",
+    "write_metric_index",
+    "zigzag_shard",
 ]
+
+_EXAMPLE_GPT_HELPERS = frozenset({"gpt_cp_logits", "gpt_cp_loss"})
+"""The example GPT's CP forward and loss, which live with the example GPT in ``zlightning.models.gpt_hybrid_cp``;
+imported on first use (that module imports this package)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXAMPLE_GPT_HELPERS:
+        return getattr(importlib.import_module("zlightning.models.gpt_hybrid_cp"), name)
+    raise AttributeError(f"module 'zlightning.datamodules' has no attribute {name!r}")

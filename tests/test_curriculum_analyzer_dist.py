@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from zlightning.datamodules import DataAnalyzer, DistributedDataAnalyzer, MetricSpec
-from zlightning.datamodules.curriculum_cli import analyze_main
+from zlightning.datamodules.curriculum._cli import analyze_main
 from zlightning.testing import run_distributed
 
 N, T, PAD = 1001, 12, 0  # odd N: the ranks get unequal shares

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from zlightning.datamodules import CurriculumDataModule, DeepSpeedDataSampler, write_metric_index
-from zlightning.datamodules.curriculum_ds_state import DEEPSPEED_STATE_KEYS
-from zlightning.datamodules.curriculum_index import write_index_file
+from zlightning.datamodules.curriculum._deepspeed_state import DEEPSPEED_STATE_KEYS
+from zlightning.datamodules.curriculum._index import write_index_file
 
 N = 1000
 

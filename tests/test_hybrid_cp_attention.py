@@ -14,16 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from examples.gpt_model import GPT, GPTConfig
-from zlightning.datamodules import (
-    CPShard,
-    HybridCPGroups,
-    cp_attention,
-    cp_causal_attention,
-    gpt_cp_logits,
-    gpt_cp_loss,
-    zigzag_shard,
-)
-from zlightning.datamodules.hybrid_cp_wrapper import zigzag_positions
+from zlightning.datamodules.hybrid_cp import zigzag_shard
+from zlightning.models.gpt_hybrid_cp import gpt_cp_logits, gpt_cp_loss
+from zlightning.parallel import CPShard, HybridCPGroups, cp_attention, cp_causal_attention, zigzag_positions
 
 B, H, D = 2, 3, 4
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -7,16 +7,16 @@ import math
 import pytest
 
 from examples.gpt_model import GPTConfig
-from zlightning.datamodules import (
+from zlightning.datamodules.hybrid_cp import (
     LinearQuadraticCost,
     TransformerShape,
     fit_cost,
+    lockstep_plan,
     quadratic_cost,
     schedule_hybrid_cp,
     schedule_stats,
     transformer_cost,
 )
-from zlightning.datamodules.hybrid_cp_model import lockstep_plan
 
 
 def test_transformer_cost_counts_dense_and_attention_flops() -> None:

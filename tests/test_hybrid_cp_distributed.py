@@ -44,19 +44,18 @@ from examples.gpt_model import GPT, GPTConfig
 from tests.test_hybrid_cp_attention import TOL, _reference, _run_block
 from tests.test_hybrid_cp_lightning import BATCH, CFG, HCP, _datamodule, _write_corpus
 from tests._lightning_models import state_after_fit
-from zlightning.datamodules import (
-    CPShard,
+from zlightning.datamodules import PackedByteDataset
+from zlightning.datamodules.hybrid_cp import (
     HybridCPConfig,
     HybridCPDataLoaderWrapper,
-    HybridCPGroups,
-    PackedByteDataset,
     PackedDocumentDataset,
-    gpt_cp_loss,
+    global_token_count,
     hybrid_cp_forward_backward,
+    lockstep_plan,
     unpack_packed_batch,
 )
-from zlightning.datamodules.hybrid_cp_model import global_token_count, gpt_pad_loss, lockstep_plan
-from zlightning.datamodules.hybrid_cp_wrapper import zigzag_positions
+from zlightning.models.gpt_hybrid_cp import gpt_cp_loss, gpt_pad_loss
+from zlightning.parallel import CPShard, HybridCPGroups, zigzag_positions
 from zlightning.testing import run_distributed
 
 WORLD_SIZES = (2, 4)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlightning.datamodules import cp_size_needed, quadratic_cost, schedule_hybrid_cp, schedule_stats
-from zlightning.datamodules.hybrid_cp_schedule import HybridCPSchedule
+from zlightning.datamodules.hybrid_cp import cp_size_needed, quadratic_cost, schedule_hybrid_cp, schedule_stats
+from zlightning.datamodules.hybrid_cp._schedule import HybridCPSchedule
 
 
 def check_invariants(schedule: HybridCPSchedule, seqlens: list[int], n: int, max_seqlen: int) -> dict[int, int]:

@@ -33,7 +33,7 @@ from torch import nn
 
 from zlightning.compression import apply_schedule, init_compression, redundancy_clean
 from zlightning.datamodules import DeepSpeedDataSampler, IndexFile, write_metric_index
-from zlightning.datamodules.curriculum_sampler import (
+from zlightning.datamodules.curriculum import (
     get_sample_based_on_metric_percentile,
     get_sample_based_on_metric_value,
     get_start_end_idx,

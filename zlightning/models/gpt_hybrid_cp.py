@@ -7,39 +7,140 @@ piece's block), and each piece's loss is its masked token losses summed and divi
 count, so the step's gradient is the same whatever the placement. Optimisation is manual (several backward passes
 per step).
 
+`gpt_cp_logits` runs the GPT on this rank's zigzag shard of one sub-sample: it calls the model's own submodules
+(embeddings at the shard's *original* positions, every block with its attention routed through `cp_attention`, the
+final norm and the tied head). `gpt_cp_loss` is that shard's summed token loss divided by the global token count;
+`gpt_pad_loss` is the zero loss of a padding micro-step under ZeRO-3.
+
 [Note: gradient reduction per strategy]
 Summed over ranks, the per-rank gradients are the global batch's gradient (see
-[Note: per-token loss normalised by the global token count] in ``hybrid_cp_model.py``).
+[Note: per-token loss normalised by the global token count] in ``zlightning/datamodules/hybrid_cp/_loop.py``).
 
 * DDP (and any strategy that leaves ``.grad`` local): the micro-steps call ``loss.backward()`` directly, so DDP's
   reducer is never armed (Lightning's manual optimisation arms it only in ``manual_backward``); after the last
   micro-step the module all-reduces the gradients with SUM, in one flat buffer.
 * ``zstack_zero3`` (any stage): the engine gathers parameters per forward and reduce-scatters with AVG over the
-  ranks. The micro-steps run in lockstep (see [Note: lockstep micro-steps for ZeRO-3]), each inside the engine's
-  ``forward_pass`` (the root unit is gathered per micro-step), with ``gradient_sync`` off until the last one, and the
-  loss is multiplied by the world size so AVG gives the sum (a power of two: exact in floating point).
+  ranks. The micro-steps run in lockstep (see [Note: lockstep micro-steps for ZeRO-3], same file), each inside the
+  engine's ``forward_pass`` (the root unit is gathered per micro-step), with ``gradient_sync`` off until the last
+  one, and the loss is multiplied by the world size so AVG gives the sum (a power of two: exact in floating point).
 
 Validation uses the plain model forward on ``(x, y)`` batches.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
-from zlightning.datamodules.hybrid_cp_attention import CPShard, HybridCPGroups
-from zlightning.datamodules.hybrid_cp_model import global_token_count, gpt_cp_loss, gpt_pad_loss, hybrid_cp_forward_backward
-from zlightning.datamodules.hybrid_cp_wrapper import HybridCPBatch
+from zlightning.datamodules.hybrid_cp import HybridCPBatch, global_token_count, hybrid_cp_forward_backward
+from zlightning.parallel import CPShard, HybridCPGroups, cp_attention
 from zlightning.strategies.zero3 import ZStackZero3Strategy
 
 from .gpt_model import GPT, GPTConfig
 
-__all__ = ["HybridCPGPTModule"]
+__all__ = ["CausalLM", "HybridCPGPTModule", "gpt_cp_logits", "gpt_cp_loss", "gpt_pad_loss"]
+
+
+class CausalLM(Protocol):
+    """The submodules of the example GPT (`GPT`) that a CP forward calls, in order."""
+
+    tok_emb: nn.Embedding
+    pos_emb: nn.Embedding
+    drop: nn.Module
+    blocks: nn.ModuleList
+    ln_f: nn.Module
+    head: nn.Module
+
+
+def gpt_cp_logits(model: CausalLM, tokens_t: Tensor, shard: CPShard) -> Tensor:
+    """Next-token logits of this rank's tokens of a sub-sample, with attention over the whole sub-sample.
+
+    Equals the rows ``shard.q_positions`` of ``model(sub_sample[None])[0][0]``. Every rank of the block must call it
+    together (the attention layers run collectives).
+
+    Args:
+        model: The example GPT, or any module with its submodule layout (`CausalLM`).
+        tokens_t: int64 [t], this rank's `zigzag_shard` of the sub-sample's tokens.
+        shard: This rank's `CPShard` of the sub-sample.
+
+    Returns:
+        [t, vocab] logits.
+
+    Raises:
+        ValueError: If ``tokens_t`` does not match the shard, or the sub-sample is longer than the position table.
+    """
+    if tokens_t.dim() != 1 or tokens_t.shape[0] != shard.num_tokens:
+        raise ValueError(
+            f"gpt_cp_logits: tokens must be 1-D with the shard's {shard.num_tokens} tokens, got "
+            f"{tuple(tokens_t.shape)}; pass zigzag_shard(sub.data, cp_size, cp_rank)['tokens']."
+        )
+    length = shard.kv_positions.shape[0]
+    if length > model.pos_emb.num_embeddings:
+        raise ValueError(
+            f"gpt_cp_logits: a sub-sample of {length} tokens exceeds the model's {model.pos_emb.num_embeddings} "
+            f"positions; pack documents into pieces of at most config.seq_len tokens."
+        )
+    positions_t = shard.q_positions.to(tokens_t.device)
+    x_1tD = model.drop(model.tok_emb(tokens_t[None]) + model.pos_emb(positions_t))
+    with cp_attention(shard):
+        for block in model.blocks:
+            x_1tD = block(x_1tD)
+    return model.head(model.ln_f(x_1tD))[0]
+
+
+def gpt_cp_loss(
+    model: CausalLM,
+    tokens_t: Tensor,
+    targets_t: Tensor,
+    shard: CPShard,
+    *,
+    num_tokens: int | float,
+    loss_mask_t: Tensor | None = None,
+) -> Tensor:
+    """This shard's summed next-token cross-entropy divided by the global batch's token count.
+
+    See [Note: per-token loss normalised by the global token count] in ``zlightning/datamodules/hybrid_cp/_loop.py``.
+
+    Args:
+        model: The example GPT (`CausalLM`).
+        tokens_t: int64 [t], this rank's shard of the input tokens.
+        targets_t: int64 [t], this rank's shard of the next-token targets.
+        shard: This rank's `CPShard`.
+        num_tokens: Tokens of the whole global batch (`HybridCPBatch.total_tokens`), or the global sum of the loss
+            mask when ``loss_mask_t`` is given.
+        loss_mask_t: Optional float [t] weights of this rank's tokens.
+
+    Returns:
+        A scalar; its sum over all ranks and sub-samples is the global batch's mean token loss.
+
+    Raises:
+        ValueError: If ``num_tokens`` is not positive, or shapes disagree.
+    """
+    if not num_tokens > 0:
+        raise ValueError(f"gpt_cp_loss: num_tokens must be > 0 (the global batch's token count), got {num_tokens}.")
+    if targets_t.shape != tokens_t.shape or (loss_mask_t is not None and loss_mask_t.shape != tokens_t.shape):
+        raise ValueError(f"gpt_cp_loss: targets and loss mask must have the tokens' shape {tuple(tokens_t.shape)}.")
+    logits_tV = gpt_cp_logits(model, tokens_t, shard)
+    losses_t = F.cross_entropy(logits_tV.float(), targets_t, reduction="none")
+    if loss_mask_t is not None:
+        losses_t = losses_t * loss_mask_t
+    return losses_t.sum() / num_tokens
+
+
+def gpt_pad_loss(model: CausalLM, device: torch.device | None = None) -> Tensor:
+    """A zero loss that still runs every submodule of the example GPT (a padding micro-step, 2 tokens, CP size 1).
+
+    Its gradients are zero, but every ZeRO unit is gathered in forward and backward exactly as in a real micro-step.
+    See [Note: lockstep micro-steps for ZeRO-3] in ``zlightning/datamodules/hybrid_cp/_loop.py``.
+    """
+    tokens_t = torch.zeros(2, dtype=torch.int64, device=device)
+    return gpt_cp_logits(model, tokens_t, CPShard.zigzag(2, 1, 0, None, device)).sum() * 0.0
 
 
 class HybridCPGPTModule(LightningModule):

@@ -32,8 +32,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from .curriculum_config import DataEfficiencyConfig
-from .curriculum_sampler import DeepSpeedDataSampler, _consumed_samples_at
+from ._config import DataEfficiencyConfig
+from ._sampler import DeepSpeedDataSampler, _consumed_samples_at
 
 __all__ = ["CurriculumDataModule"]
 

@@ -19,7 +19,7 @@ generator restarts from the seed, as DeepSpeed itself does) and the global state
 ``consumed_samples`` lags one micro-batch (spec 1.3): the import adds that micro-batch back. The schedulers' current
 difficulties are set to ``current_difficulties``. What follows is the pending batch, then this sampler's draws: the
 continuation is a correct curriculum run (bound, lockstep, within-pass uniqueness), not DeepSpeed's random stream
-(the two samplers draw differently; see [Note: drawing] in ``curriculum_sampler.py``).
+(the two samplers draw differently; see [Note: drawing] in ``_sampler.py``).
 
 Reading a DeepSpeed checkpoint file (`read_deepspeed_sampler_state`): DeepSpeed pickles numpy values into it (the
 legacy ``np_rng_state`` tuple holds an array, ids and counters may be numpy scalars). The file is read weights-only
@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .curriculum_index import IndexFile, write_index_file
+from ._index import IndexFile, write_index_file
 
 if TYPE_CHECKING:
-    from .curriculum_sampler import DeepSpeedDataSampler
+    from ._sampler import DeepSpeedDataSampler
 
 __all__ = [
     "DEEPSPEED_STATE_KEYS",

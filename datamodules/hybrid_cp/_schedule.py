@@ -2,7 +2,7 @@
 
 `schedule_hybrid_cp(seqlens, dp_cp_size, max_seqlen_per_rank, cost=None)` places every sub-sample of a global batch
 on an aligned power-of-two block of the DP×CP ranks, in a few "groups" separated by barriers, so that every rank is
-busy for about the same time. `HybridCPDataLoaderWrapper` (``hybrid_cp_wrapper.py``) calls exactly this function;
+busy for about the same time. `HybridCPDataLoaderWrapper` (``_wrapper.py``) calls exactly this function;
 `schedule_stats` measures a schedule without any process.
 
 Vocabulary: *rank* is a position ``0 .. dp_cp_size - 1`` in the DP×CP domain; a *block* is a set of ranks
@@ -144,7 +144,7 @@ def _checked_cost(cost: CostFn, length: int, cp: int) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(
             f"schedule_hybrid_cp: cost({length}, {cp}) returned {value!r}; a cost model must return a finite number "
-            f">= 0 (see [Note: cost model] in zlightning.datamodules.hybrid_cp_schedule)."
+            f">= 0 (see [Note: cost model] in zlightning.datamodules.hybrid_cp._schedule)."
         )
     return value
 

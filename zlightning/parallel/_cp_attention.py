@@ -1,19 +1,21 @@
-"""Context-parallel causal attention for the sub-samples `HybridCPDataLoaderWrapper` places on blocks of ranks.
+"""Context-parallel causal attention: one sequence (a sub-sample) sharded zigzag over a block of ranks.
 
 A sub-sample that runs at CP size ``c`` on the block ``[s, s + c)`` of the DP×CP domain is split zigzag across the
-block (`zigzag_shard`): block rank ``r`` holds chunks ``r`` and ``2c - 1 - r`` of ``2c`` equal chunks. Each rank
-computes Q, K and V for its own tokens; `cp_causal_attention` all-gathers K and V within the block's process group
-and attends this rank's queries to every key at an earlier or equal *original* position. The pieces:
+block (`zigzag_positions`; ``zlightning.datamodules.hybrid_cp.zigzag_shard`` applies it to a sub-sample's tensors):
+block rank ``r`` holds chunks ``r`` and ``2c - 1 - r`` of ``2c`` equal chunks. Each rank computes Q, K and V for its
+own tokens; `cp_causal_attention` all-gathers K and V within the block's process group and attends this rank's
+queries to every key at an earlier or equal *original* position. The pieces:
 
 - `HybridCPGroups.build()` creates one process group per aligned power-of-two block, once, on every rank.
 - `CPShard` says where this rank's tokens sit in the sub-sample (its block group, block rank, positions).
 - `cp_causal_attention(q, k, v, shard)` is the attention itself; ``c == 1`` is plain causal SDPA.
 - `cp_attention(shard)` is a context manager that routes a model's own
   ``F.scaled_dot_product_attention(..., is_causal=True)`` calls to `cp_causal_attention`, so an unmodified model runs
-  in CP mode (see ``hybrid_cp_model.py`` for the example GPT).
+  in CP mode (``zlightning.models.gpt_hybrid_cp.gpt_cp_logits`` does it for the example GPT).
 
-Only ``torch`` is imported (STYLE.md principle 1). Shape suffixes: B = batch, H = heads, t = this rank's tokens,
-L = the sub-sample's tokens (``c * t``), d = head width, c = CP size.
+Only ``torch`` is imported: the data side (``zlightning.datamodules.hybrid_cp``) depends on this module, never the
+reverse. Shape suffixes: B = batch, H = heads, t = this rank's tokens, L = the sub-sample's tokens (``c * t``),
+d = head width, c = CP size.
 
 [Note: process groups for every block]
 ``torch.distributed.new_group`` must be entered by every rank of the job, in the same order, even by non-members.
@@ -41,9 +43,9 @@ as one tensor, so a layer costs one all-gather forward and one reduce-scatter ba
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,20 +54,47 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
-from .hybrid_cp_wrapper import HybridCPSubSample, zigzag_positions
+__all__ = ["CPShard", "HybridCPGroups", "PlacedSubSample", "cp_attention", "cp_causal_attention", "zigzag_positions"]
 
-__all__ = ["CPShard", "HybridCPGroups", "cp_attention", "cp_causal_attention"]
+
+class PlacedSubSample(Protocol):
+    """A sub-sample with the block it runs on (``zlightning.datamodules.hybrid_cp.HybridCPSubSample`` is one)."""
+
+    cp_size: int
+    """Ranks in the block."""
+    block_start: int
+    """First domain rank of the block."""
+    data: Mapping[str, Tensor]
+    """The sub-sample's token-aligned tensors (the whole sub-sample, before the zigzag split)."""
 
 
 def _is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> Tensor:
+    """Positions (int64) of the tokens rank ``cp_rank`` of a ``cp_size`` block holds: chunks ``cp_rank`` and
+    ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` equal chunks.
+
+    Raises:
+        ValueError: If ``length`` is not divisible by ``2 * cp_size``.
+    """
+    if length % (2 * cp_size):
+        raise ValueError(
+            f"zigzag_shard: a sub-sample of {length} tokens cannot be cut into 2 * cp_size = {2 * cp_size} equal "
+            f"chunks; pad every sub-sample to a multiple of 2 * max CP size (Megatron requires the same)."
+        )
+    chunk = length // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
+    return torch.cat([first, second])
+
+
 @dataclass(frozen=True)
 class HybridCPGroups:
     """The process groups of one DP×CP domain's aligned power-of-two blocks. Build with `HybridCPGroups.build`.
 
-    Block ``[s, s + c)`` (in domain ranks, as `HybridCPSubSample.block_start` and ``cp_size`` give it) maps to a
+    Block ``[s, s + c)`` (in domain ranks, as a sub-sample's ``block_start`` and ``cp_size`` give it) maps to a
     process group of the global ranks ``domain_ranks[s : s + c]``. Only the blocks this rank belongs to are kept.
     """
 
@@ -85,7 +114,7 @@ class HybridCPGroups:
         tensor-parallel index) but must be disjoint and power-of-two sized.
 
         Args:
-            dp_cp_group: This rank's DP×CP domain, as passed to `HybridCPDataLoaderWrapper`; the whole job if None.
+            dp_cp_group: This rank's DP×CP domain, as passed to ``HybridCPDataLoaderWrapper``; the whole job if None.
 
         Returns:
             This rank's groups.
@@ -202,7 +231,7 @@ class CPShard:
     def zigzag(
         cls, length: int, cp_size: int, cp_rank: int, group: ProcessGroup | None, device: torch.device | None = None
     ) -> CPShard:
-        """The shard `zigzag_shard(data, cp_size, cp_rank)` gives a sub-sample of ``length`` tokens.
+        """The shard that ``zigzag_shard(data, cp_size, cp_rank)`` gives a sub-sample of ``length`` tokens.
 
         Raises:
             ValueError: If ``length`` is not divisible by ``2 * cp_size`` (or as `CPShard`).
@@ -212,9 +241,9 @@ class CPShard:
 
     @classmethod
     def for_sub_sample(
-        cls, sub: HybridCPSubSample, groups: HybridCPGroups, device: torch.device | None = None
+        cls, sub: PlacedSubSample, groups: HybridCPGroups, device: torch.device | None = None
     ) -> CPShard:
-        """This rank's zigzag shard of a sub-sample returned by `HybridCPDataLoaderWrapper`.
+        """This rank's zigzag shard of a sub-sample placed on a block (as ``HybridCPDataLoaderWrapper`` returns them).
 
         Raises:
             ValueError: If this rank is not in the sub-sample's block, or its length is not divisible by

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .curriculum_schedule import CurriculumSchedule
+from ._schedule import CurriculumSchedule
 
 __all__ = [
     "ClusteringType",

@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
-from .hybrid_cp_wrapper import HybridCPConfig, HybridCPDataLoaderWrapper
-from .text import PackedByteDataset, TextCorpusDataModule
+from ..text import PackedByteDataset, TextCorpusDataModule
+from ._wrapper import HybridCPConfig, HybridCPDataLoaderWrapper
 
 __all__ = ["HybridCPTextDataModule", "PackedDocumentDataset"]
 

@@ -57,7 +57,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .hybrid_cp_schedule import BalancedCPScheduler, CostFn, HybridCPSchedule
+from zlightning.parallel import zigzag_positions
+
+from ._schedule import BalancedCPScheduler, CostFn, HybridCPSchedule
 
 __all__ = [
     "HybridCPBatch",
@@ -66,7 +68,6 @@ __all__ = [
     "HybridCPSubSample",
     "PackedBatch",
     "unpack_packed_batch",
-    "zigzag_positions",
     "zigzag_shard",
 ]
 
@@ -90,7 +91,7 @@ class HybridCPConfig:
     [Note: rank layout and the one process group]."""
     cost: CostFn | None = None
     """Per-rank cost ``cost(length, cp)`` for the scheduler; ``L**2 / cp`` if None. See [Note: cost model] in
-    ``hybrid_cp_schedule.py``."""
+    ``_schedule.py``."""
     ignored_keys: tuple[str, ...] = ("cu_seqlens", "max_seqlen", "batch_idx")
     """Batch keys that are not token-aligned and are dropped from the sub-samples."""
     check_replicas: bool = True
@@ -271,19 +272,6 @@ def zigzag_shard(data: Mapping[str, Tensor], cp_size: int, cp_rank: int) -> dict
             index = zigzag_positions(value.shape[0], cp_size, cp_rank)
         out[key] = value.index_select(0, index)
     return out
-
-
-def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> Tensor:
-    """Positions (int64) of the tokens rank ``cp_rank`` of a ``cp_size`` block holds under `zigzag_shard`."""
-    if length % (2 * cp_size):
-        raise ValueError(
-            f"zigzag_shard: a sub-sample of {length} tokens cannot be cut into 2 * cp_size = {2 * cp_size} equal "
-            f"chunks; pad every sub-sample to a multiple of 2 * max CP size (Megatron requires the same)."
-        )
-    chunk = length // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
-    return torch.cat([first, second])
 
 
 def _checked_cu_seqlens(sample: Mapping[str, Any], index: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 `DataAnalyzer` runs a *map* over its share of the dataset (worker ``worker_id`` of ``num_workers``, split further
 into ``num_threads`` threads) and a *reduce* (on one worker, after every worker's map finished) that writes, per
-single-value metric ``M``, under ``save_path/M/`` (format: [Note: index file format] in ``curriculum_index.py``):
+single-value metric ``M``, under ``save_path/M/`` (format: [Note: index file format] in ``_index.py``):
 
 * ``M_sample_to_metric``: N rows, row ``i`` = ``[metric(i)]``;
 * ``M_index_to_sample``: U rows (U = number of distinct values), in ascending value order; row ``u`` lists the sample
@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from .curriculum_index import find_fit_int_dtype, write_index_file
+from ._index import find_fit_int_dtype, write_index_file
 
 __all__ = ["BUILTIN_METRICS", "DataAnalyzer", "MetricFn", "MetricSpec", "seqlen_metric", "vocab_rarity_metric"]
 

@@ -1,10 +1,9 @@
-"""Running a model on the wrapper's hybrid-CP sub-samples: the example GPT's forward on a zigzag shard, and the loop.
+"""Running a model on the wrapper's hybrid-CP sub-samples: the per-sub-sample training loop and its normaliser.
 
-`gpt_cp_loss` runs the example GPT (``examples/gpt_model.py``, unmodified) on this rank's zigzag shard of one
-sub-sample: it calls the model's own submodules (embeddings at the shard's *original* positions, every block with its
-attention routed through `cp_attention`, the final norm and the tied head) and returns this shard's summed token loss
-divided by the global token count. `hybrid_cp_forward_backward` runs forward and backward for every sub-sample a
-rank received from `HybridCPDataLoaderWrapper`, in schedule order.
+`hybrid_cp_forward_backward` runs forward and backward for every sub-sample a rank received from
+`HybridCPDataLoaderWrapper`, in schedule order, calling a loss function on this rank's zigzag shard of each (for the
+example GPT: ``zlightning.models.gpt_hybrid_cp.gpt_cp_loss``). `global_token_count` is the loss normaliser and
+`lockstep_plan` the micro-step order under ZeRO-3. Nothing here knows the model.
 
 [Note: per-token loss normalised by the global token count]
 A sub-sample's tokens are spread over a block of ranks and the blocks differ from step to step, so a per-rank mean
@@ -19,11 +18,11 @@ block's K/V all-gathers (DDP here reduces gradients once, after the last micro-s
 all-gathers every unit's parameters over the whole domain in *every* forward and backward: with unequal counts a rank
 would wait in a unit all-gather while its block partner waits in the K/V all-gather of a later sub-sample, a deadlock.
 `lockstep_plan` therefore pads each group's list to the group's longest list with ``None`` micro-steps; a padding
-micro-step runs the model on a few tokens with a zero loss (`gpt_pad_loss`), so every rank issues the same
-domain-wide collectives in the same order: in micro-step ``k`` of group ``g``, all ranks gather the same units, and
-block partners (identical lists) run the same sub-sample. The cost is ``sum_g max_r |list| - |own list|`` tiny
-forwards per rank. The gradient reduction happens once, after the last micro-step (the engine's ``gradient_sync``
-is off before it).
+micro-step runs the model on a few tokens with a zero loss (the loop's ``pad_loss_fn``; ``gpt_pad_loss`` in
+``zlightning.models.gpt_hybrid_cp`` for the example GPT), so every rank issues the same domain-wide collectives in
+the same order: in micro-step ``k`` of group ``g``, all ranks gather the same units, and block partners (identical
+lists) run the same sub-sample. The cost is ``sum_g max_r |list| - |own list|`` tiny forwards per rank. The
+gradient reduction happens once, after the last micro-step (the engine's ``gradient_sync`` is off before it).
 
 [Note: no barrier between groups]
 Megatron issues a DP×CP barrier between schedule groups. It is not needed for correctness: every collective runs on
@@ -31,126 +30,29 @@ one block's group, and all ranks of a block hold identical ordered sub-sample li
 members issue the same collectives in the same order and nothing can deadlock. The loop here has no barrier; the
 gradient reduction at the end of the step synchronises the ranks anyway.
 
-Only ``torch`` is imported (STYLE.md principle 1); the GPT is described structurally (`CausalLM`), not imported.
+Only ``torch`` and zlightning's own CP attention (`zlightning.parallel`) are imported.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager, Protocol, TypeAlias
+from typing import ContextManager, TypeAlias
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from .hybrid_cp_attention import CPShard, HybridCPGroups, cp_attention
-from .hybrid_cp_schedule import HybridCPSchedule
-from .hybrid_cp_wrapper import HybridCPBatch, zigzag_shard
+from zlightning.parallel import CPShard, HybridCPGroups
 
-__all__ = [
-    "BackwardFn",
-    "CausalLM",
-    "SubSampleLossFn",
-    "global_token_count",
-    "gpt_cp_logits",
-    "gpt_cp_loss",
-    "gpt_pad_loss",
-    "hybrid_cp_forward_backward",
-    "lockstep_plan",
-]
+from ._schedule import HybridCPSchedule
+from ._wrapper import HybridCPBatch, zigzag_shard
 
-
-class CausalLM(Protocol):
-    """The submodules of the example GPT (``examples.gpt_model.GPT``) that a CP forward calls, in order."""
-
-    tok_emb: nn.Embedding
-    pos_emb: nn.Embedding
-    drop: nn.Module
-    blocks: nn.ModuleList
-    ln_f: nn.Module
-    head: nn.Module
-
+__all__ = ["BackwardFn", "SubSampleLossFn", "global_token_count", "hybrid_cp_forward_backward", "lockstep_plan"]
 
 SubSampleLossFn: TypeAlias = Callable[[dict[str, Tensor], CPShard], Tensor]
 """``loss_fn(shard_data, shard) -> loss``: this rank's loss on its zigzag shard of one sub-sample (a scalar that
 already carries the global normalisation, see [Note: per-token loss normalised by the global token count])."""
-
-
-def gpt_cp_logits(model: CausalLM, tokens_t: Tensor, shard: CPShard) -> Tensor:
-    """Next-token logits of this rank's tokens of a sub-sample, with attention over the whole sub-sample.
-
-    Equals the rows ``shard.q_positions`` of ``model(sub_sample[None])[0][0]``. Every rank of the block must call it
-    together (the attention layers run collectives).
-
-    Args:
-        model: The example GPT, or any module with its submodule layout (`CausalLM`).
-        tokens_t: int64 [t], this rank's `zigzag_shard` of the sub-sample's tokens.
-        shard: This rank's `CPShard` of the sub-sample.
-
-    Returns:
-        [t, vocab] logits.
-
-    Raises:
-        ValueError: If ``tokens_t`` does not match the shard, or the sub-sample is longer than the position table.
-    """
-    if tokens_t.dim() != 1 or tokens_t.shape[0] != shard.num_tokens:
-        raise ValueError(
-            f"gpt_cp_logits: tokens must be 1-D with the shard's {shard.num_tokens} tokens, got "
-            f"{tuple(tokens_t.shape)}; pass zigzag_shard(sub.data, cp_size, cp_rank)['tokens']."
-        )
-    length = shard.kv_positions.shape[0]
-    if length > model.pos_emb.num_embeddings:
-        raise ValueError(
-            f"gpt_cp_logits: a sub-sample of {length} tokens exceeds the model's {model.pos_emb.num_embeddings} "
-            f"positions; pack documents into pieces of at most config.seq_len tokens."
-        )
-    positions_t = shard.q_positions.to(tokens_t.device)
-    x_1tD = model.drop(model.tok_emb(tokens_t[None]) + model.pos_emb(positions_t))
-    with cp_attention(shard):
-        for block in model.blocks:
-            x_1tD = block(x_1tD)
-    return model.head(model.ln_f(x_1tD))[0]
-
-
-def gpt_cp_loss(
-    model: CausalLM,
-    tokens_t: Tensor,
-    targets_t: Tensor,
-    shard: CPShard,
-    *,
-    num_tokens: int | float,
-    loss_mask_t: Tensor | None = None,
-) -> Tensor:
-    """This shard's summed next-token cross-entropy divided by the global batch's token count.
-
-    See [Note: per-token loss normalised by the global token count].
-
-    Args:
-        model: The example GPT (`CausalLM`).
-        tokens_t: int64 [t], this rank's shard of the input tokens.
-        targets_t: int64 [t], this rank's shard of the next-token targets.
-        shard: This rank's `CPShard`.
-        num_tokens: Tokens of the whole global batch (`HybridCPBatch.total_tokens`), or the global sum of the loss
-            mask when ``loss_mask_t`` is given.
-        loss_mask_t: Optional float [t] weights of this rank's tokens.
-
-    Returns:
-        A scalar; its sum over all ranks and sub-samples is the global batch's mean token loss.
-
-    Raises:
-        ValueError: If ``num_tokens`` is not positive, or shapes disagree.
-    """
-    if not num_tokens > 0:
-        raise ValueError(f"gpt_cp_loss: num_tokens must be > 0 (the global batch's token count), got {num_tokens}.")
-    if targets_t.shape != tokens_t.shape or (loss_mask_t is not None and loss_mask_t.shape != tokens_t.shape):
-        raise ValueError(f"gpt_cp_loss: targets and loss mask must have the tokens' shape {tuple(tokens_t.shape)}.")
-    logits_tV = gpt_cp_logits(model, tokens_t, shard)
-    losses_t = F.cross_entropy(logits_tV.float(), targets_t, reduction="none")
-    if loss_mask_t is not None:
-        losses_t = losses_t * loss_mask_t
-    return losses_t.sum() / num_tokens
 
 
 BackwardFn: TypeAlias = Callable[[Tensor, bool], None]
@@ -184,16 +86,6 @@ def lockstep_plan(schedule: HybridCPSchedule, rank: int, *, lockstep: bool) -> l
         if lockstep:
             plan.extend((g, None) for _ in range(max(len(ids) for ids in group) - len(group[rank])))
     return plan
-
-
-def gpt_pad_loss(model: CausalLM, device: torch.device | None = None) -> Tensor:
-    """A zero loss that still runs every submodule of the example GPT (a padding micro-step, 2 tokens, CP size 1).
-
-    Its gradients are zero, but every ZeRO unit is gathered in forward and backward exactly as in a real micro-step.
-    See [Note: lockstep micro-steps for ZeRO-3].
-    """
-    tokens_t = torch.zeros(2, dtype=torch.int64, device=device)
-    return gpt_cp_logits(model, tokens_t, CPShard.zigzag(2, 1, 0, None, device)).sum() * 0.0
 
 
 def global_token_count(
@@ -242,10 +134,11 @@ def hybrid_cp_forward_backward(
     Args:
         batch: This rank's `HybridCPBatch` from `HybridCPDataLoaderWrapper`.
         groups: The domain's `HybridCPGroups` (built once).
-        loss_fn: This rank's loss of one shard (`SubSampleLossFn`), e.g. a closure over `gpt_cp_loss` with
-            ``num_tokens=batch.total_tokens``.
+        loss_fn: This rank's loss of one shard (`SubSampleLossFn`), e.g. a closure over
+            ``zlightning.models.gpt_hybrid_cp.gpt_cp_loss`` with ``num_tokens=batch.total_tokens``.
         pad_loss_fn: If given, run in lockstep (`lockstep_plan`), calling it for the padding micro-steps (e.g.
-            ``lambda: gpt_pad_loss(model)``); needed under ZeRO-3. See [Note: lockstep micro-steps for ZeRO-3].
+            ``lambda: gpt_pad_loss(model)``, a zero loss that still runs every submodule); needed under ZeRO-3. See
+            [Note: lockstep micro-steps for ZeRO-3].
         step_context: Entered around each micro-step's forward and backward (e.g. a ZeRO engine's ``forward_pass``).
         backward: ``backward(loss, is_last)``; ``loss.backward()`` if None.
 

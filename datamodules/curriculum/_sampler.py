@@ -44,7 +44,7 @@ Loaders prefetch: by the time a training step runs, the sampler has already yiel
 sampler remembers the state after each of its recent yields, and ``state_dict(micro_batches=k)`` returns the state
 right after the ``k``-th micro-batch; `CurriculumDataModule` passes the number the Trainer actually consumed.
 DeepSpeed's own sampler state (its seven keys, and its cluster files) is imported by `load_state_dict` and exported
-by `deepspeed_state_dict`: see [Note: DeepSpeed checkpoints] in ``curriculum_ds_state.py``.
+by `deepspeed_state_dict`: see [Note: DeepSpeed checkpoints] in ``_deepspeed_state.py``.
 
 [Note: counting and termination]
 ``consumed_samples`` counts global samples (``micro_batch_size * dp_size`` per micro-batch) *including* the one just
@@ -77,10 +77,10 @@ from typing import Any
 
 import numpy as np
 
-from .curriculum_config import CurriculumMetricConfig, DataEfficiencyConfig
-from .curriculum_ds_state import DEEPSPEED_STATE_KEYS, deepspeed_state, is_deepspeed_state, load_deepspeed_state
-from .curriculum_index import IndexFile, find_fit_int_dtype, write_index_file
-from .curriculum_schedule import CurriculumScheduler, CustomDifficultyFn
+from ._config import CurriculumMetricConfig, DataEfficiencyConfig
+from ._deepspeed_state import DEEPSPEED_STATE_KEYS, deepspeed_state, is_deepspeed_state, load_deepspeed_state
+from ._index import IndexFile, find_fit_int_dtype, write_index_file
+from ._schedule import CurriculumScheduler, CustomDifficultyFn
 
 __all__ = [
     "DeepSpeedDataSampler",
@@ -725,7 +725,7 @@ class DeepSpeedDataSampler:
         """The state in DeepSpeed's ``state_dict`` layout, with DeepSpeed cluster files written to ``cluster_dir``.
 
         A DeepSpeed sampler (``data_cluster_path = cluster_dir``) or this one can resume from it. See
-        [Note: DeepSpeed checkpoints] in ``curriculum_ds_state.py``.
+        [Note: DeepSpeed checkpoints] in ``_deepspeed_state.py``.
 
         Args:
             cluster_dir: Folder for the cluster files (not this sampler's ``data_cluster_path``).
@@ -759,7 +759,7 @@ class DeepSpeedDataSampler:
         """Restores `state_dict` output (iteration then continues the identical sequence), or DeepSpeed's state.
 
         A state with DeepSpeed's keys and no ``format`` (``checkpoint["data_sampler"]`` of a DeepSpeed checkpoint)
-        is imported: see [Note: DeepSpeed checkpoints] in ``curriculum_ds_state.py``.
+        is imported: see [Note: DeepSpeed checkpoints] in ``_deepspeed_state.py``.
 
         Raises:
             ValueError: If the state is not from a compatible sampler (different dataset length, batch shape or

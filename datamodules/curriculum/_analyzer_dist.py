@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from .curriculum_analyzer import (
+from ._analyzer import (
     DataAnalyzer,
     MetricFn,
     MetricSpec,
