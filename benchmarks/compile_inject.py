@@ -54,7 +54,7 @@ def _build(variant: str, cfg: GPTConfig) -> tuple[Callable[[torch.Tensor, torch.
                                                     Any, int]:
     """One variant on this rank: (step function, model, compile handle or None, data rank)."""
     from zlightning.compile import CompileConfig, compile_zero3
-    from zlightning.inject import apply_tensor_parallel
+    from zlightning.inject import InjectPolicy, apply_tensor_parallel
     from zlightning.zero import DeepSpeedZeroOptimizer_Stage3, ZeroConfig
 
     torch.manual_seed(0)
@@ -82,7 +82,8 @@ def _build(variant: str, cfg: GPTConfig) -> tuple[Callable[[torch.Tensor, torch.
 
         return local_step, model, stats, data_rank
     if variant == "tp2":
-        data_rank = apply_tensor_parallel(model, 2).dp_rank  # both ranks form one TP group: same batch
+        # both ranks form one TP group (same batch); InjectPolicy(): TP plus the fused kernels, as measured
+        data_rank = apply_tensor_parallel(model, 2, InjectPolicy()).dp_rank
     else:
         net = torch.nn.parallel.DistributedDataParallel(model)
         stats = CompileStats()

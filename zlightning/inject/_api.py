@@ -161,17 +161,22 @@ def _check_inputs_once(model: nn.Module, group: dist.ProcessGroup) -> None:
 def apply_tensor_parallel(model: nn.Module, tp_size: int, policy: InjectPolicy | None = None) -> TPGroups:
     """One call for strategies: builds the DP x TP grid over the world and shards ``model`` over its TP group.
 
+    Without ``policy`` this is tensor parallelism alone (``InjectPolicy(inject_kernels=False)``): only what sharding
+    needs is rebuilt and nothing is said about fusing other modules (see [Note: tensor parallelism alone is silent
+    about kernels]); pass ``InjectPolicy()`` to inject the fused kernels as well.
+
     Args:
         model: identical on every rank; modified in place (build optimizers afterwards).
         tp_size: tensor-parallel degree (must divide the world size).
-        policy: other knobs (its ``tp_size`` is replaced by ``tp_size``).
+        policy: other knobs (its ``tp_size`` is replaced by ``tp_size``); default: TP alone.
 
     Returns:
         The groups: hand ``dp_group`` to the data-parallel engine and ``dp_rank``/``dp_size`` to the sampler.
     """
     groups = build_tp_groups(tp_size)
     if tp_size > 1:
-        module_inject(model, dataclasses.replace(policy or InjectPolicy(), tp_size=tp_size), tp_group=groups.tp_group)
+        base = policy if policy is not None else InjectPolicy(inject_kernels=False)
+        module_inject(model, dataclasses.replace(base, tp_size=tp_size), tp_group=groups.tp_group)
     return groups
 
 

@@ -198,12 +198,19 @@ _UP_NAMES = ("up_proj", "up", "w3", "wu", "fc_up")
 _ALL_ACTS: tuple[Activation, ...] = ("gelu", "silu", "gelu_tanh", "relu")
 
 
+def _stateless_leaf(module: nn.Module) -> bool:
+    """No children, parameters or buffers: possibly an activation, identified by the probe (`_agrees`)."""
+    return not any(True for _ in module.children()) and not module._parameters and not module._buffers
+
+
 def _candidates(module: nn.Module, recompute: bool) -> list[FusedMLP]:
     """Every structural reading of ``module`` as an MLP (to be verified on a probe); empty if it is not one."""
     children = dict(module.named_children())
     linears = {n: c for n, c in children.items() if type(c) is nn.Linear}
     acts = {n: activation_of(c) for n, c in children.items() if activation_of(c) is not None}
     drops = [n for n, c in children.items() if isinstance(c, nn.Dropout)]
+    if not acts:  # an activation module of another library (transformers' SiLUActivation): read by the probe
+        acts = {n: None for n, c in children.items() if _stateless_leaf(c) and n not in linears and n not in drops}
     if len(children) != len(linears) + len(acts) + len(drops) or len(acts) > 1 or len(drops) > 1:
         return []  # something else lives here (a norm, an attention, a nested block)
     order = list(children)
