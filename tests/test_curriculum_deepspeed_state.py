@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,11 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from zlightning.datamodules import CurriculumDataModule, DeepSpeedDataSampler, write_metric_index
-from zlightning.datamodules.curriculum._deepspeed_state import DEEPSPEED_STATE_KEYS
+from zlightning.datamodules.curriculum._deepspeed_state import (
+    DEEPSPEED_STATE_KEYS,
+    deepspeed_to_state,
+    state_to_deepspeed,
+)
 from zlightning.datamodules.curriculum._index import write_index_file
 
 N = 1000
@@ -166,6 +171,29 @@ def test_deepspeed_state_errors(tmp_path: Path) -> None:
     assert _take(fresh, 6) == _take(_sampler(_config(tmp_path, None), b=b, A=A), 6)
     with pytest.raises(ValueError, match="unsupported state format"):
         _sampler(_config(tmp_path, folder), b=b, A=A).load_state_dict({"batch": []})
+
+
+def test_translation_gives_the_state_dict_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    b, A = 4, 2
+    state, orders = _deepspeed_0_19_8_checkpoint(tmp_path, b, A)
+    cfg = _config(tmp_path, tmp_path / "ds_run" / "clusters")
+    s = _sampler(cfg, b=b, A=A)
+    with caplog.at_level(logging.WARNING):
+        ours = deepspeed_to_state(state, config=s.config, shape=s.state_dict()["shape"])
+    assert "global legacy numpy RNG" in caplog.text
+    assert set(ours) == set(s.state_dict())  # the sampler's own layout, plain values
+    json.dumps(ours)
+    assert ours["consumed_samples"] == 5 * b and ours["micro_batches"] == 5 and ours["data_cluster_pass"] == [0, 0]
+    assert ours["data_cluster_paths"] == list(orders)  # names, not the legacy absolute paths
+    assert ours["data_cluster_imported_order"] == {name: order.tolist() for name, order in orders.items()}
+    translated, direct = _sampler(cfg, b=b, A=A), _sampler(cfg, b=b, A=A)
+    translated.load_state_dict(ours)
+    direct.load_state_dict(state)
+    assert _take(translated, 20) == _take(direct, 20)
+    with pytest.raises(ValueError, match="expected a DeepSpeedDataSampler.state_dict"):
+        state_to_deepspeed(state, cluster_dir=tmp_path / "out", cluster_orders=[])
+    with pytest.raises(ValueError, match="1 cluster orders for 2 clusters"):
+        state_to_deepspeed(ours, cluster_dir=tmp_path / "out", cluster_orders=[np.arange(3)])
 
 
 class _IdDataset(Dataset):

@@ -1,4 +1,4 @@
-"""`DeepSpeedDataSampler` state in DeepSpeed's own checkpoint layout: import (resume from DeepSpeed) and export.
+"""`DeepSpeedDataSampler` state in DeepSpeed's checkpoint layout: a translation to and from the sampler's own.
 
 [Note: DeepSpeed checkpoints]
 DeepSpeed saves ``checkpoint["data_sampler"] = sampler.state_dict()`` with seven keys: ``batch`` (the pending rest of
@@ -7,19 +7,24 @@ the global batch), ``consumed_samples``, ``curriculum_step``, ``current_difficul
 and ``np_rng_state``. The cluster *files* (``{data_cluster_path}/{name}.bin/.idx``, one row: the cluster's sample ids
 in the order of its current shuffled pass) are part of that state: DeepSpeed rewrites them on every reshuffle.
 
-Import (`load_deepspeed_state`; `DeepSpeedDataSampler.load_state_dict` calls it for a state without our
-``format`` key): the sampler's ``data_cluster_path`` must be the DeepSpeed run's cluster folder. Each cluster is
-re-derived from its name (``cluster_{metric}{difficulty}...``) and the metric index files, and must hold exactly the
-ids of the DeepSpeed file (else the files do not belong together: clear error); its current pass continues in the
-file's order from the saved cursor, so the samples DeepSpeed had not yet drawn in that pass come before any repeat.
-Later passes use this sampler's own permutations. ``np_rng_state`` is adopted when it is a ``PCG64`` generator state
-(DeepSpeed after the #8405 fix saves ``np_rng.bit_generator.state``); DeepSpeed 0.19.8 saves the *global* legacy
-``numpy.random`` state instead, which says nothing about the sampler's stream: it is ignored with a warning (the
-generator restarts from the seed, as DeepSpeed itself does) and the global state is never touched. DeepSpeed's
-``consumed_samples`` lags one micro-batch (spec 1.3): the import adds that micro-batch back. The schedulers' current
-difficulties are set to ``current_difficulties``. What follows is the pending batch, then this sampler's draws: the
-continuation is a correct curriculum run (bound, lockstep, within-pass uniqueness), not DeepSpeed's random stream
-(the two samplers draw differently; see [Note: drawing] in ``_sampler.py``).
+This module only translates between that layout and the one of `DeepSpeedDataSampler.state_dict` (tagged
+`STATE_FORMAT`); the sampler's ``load_state_dict`` does the loading, whichever layout it is given.
+
+Import (`deepspeed_to_state`; ``DeepSpeedDataSampler.load_state_dict`` calls it for a state without our ``format``
+key): the config's ``data_cluster_path`` must be the DeepSpeed run's cluster folder. Each cluster's difficulties come
+from its name (``cluster_{metric}{difficulty}...``) and the order of its current pass from its file; the translated
+state carries that order (``data_cluster_imported_order``) with the pass number 0 and the saved cursor, so the
+samples DeepSpeed had not yet drawn in that pass come before any repeat. Loading then rebuilds each cluster from the
+metric index files and checks that the file holds exactly its members (else the files do not belong together: clear
+error). Later passes use this sampler's own permutations. ``np_rng_state`` is adopted when it is a ``PCG64``
+generator state (DeepSpeed after its fix of issue #8405 saves ``np_rng.bit_generator.state``); DeepSpeed 0.19.8 saves
+the *global* legacy ``numpy.random`` state instead, which says nothing about the sampler's stream: it is replaced,
+with a warning, by the generator's state at the seed (as DeepSpeed itself restarts it), and the global state is never
+touched. DeepSpeed's ``consumed_samples`` lags one micro-batch (DeepSpeed counts the micro-batch being yielded only
+at the next one): the import adds that micro-batch back. The schedulers' current difficulties are set to
+``current_difficulties``. What follows is the pending batch, then this sampler's draws: the continuation is a correct
+curriculum run (bound, lockstep, within-pass uniqueness), not DeepSpeed's random stream (the two samplers draw
+differently; see [Note: drawing] in ``_sampler.py``).
 
 Reading a DeepSpeed checkpoint file (`read_deepspeed_sampler_state`): DeepSpeed pickles numpy values into it (the
 legacy ``np_rng_state`` tuple holds an array, ids and counters may be numpy scalars). The file is read weights-only
@@ -27,39 +32,43 @@ legacy ``np_rng_state`` tuple holds an array, ids and counters may be numpy scal
 what loading trusts] in ``zlightning/_safe_load.py``) and the sampler state is converted to plain Python values, so
 that it also survives our own weights-only checkpoints.
 
-Export (`deepspeed_state`): the same seven keys for the state after a given micro-batch, and one DeepSpeed cluster
-file per cluster in a folder of its own (the order of the cluster's current pass), so that a DeepSpeed sampler whose
-``data_cluster_path`` is that folder, or this sampler again, continues from it. Round trip export -> import is exact:
-the imported sampler yields the identical sequence. A cluster still in its imported pass keeps that order in our own
-state (``data_cluster_imported_order``: up to one id per sample) until the pass ends.
+Export (`state_to_deepspeed`; ``DeepSpeedDataSampler.deepspeed_state_dict`` calls it with the order of each cluster's
+current pass): the same seven keys for the state after a given micro-batch, and one DeepSpeed cluster file per
+cluster in a folder of its own, so that a DeepSpeed sampler whose ``data_cluster_path`` is that folder, or this
+sampler again, continues from it. Round trip export -> import is exact: the imported sampler yields the identical
+sequence. A cluster still in its imported pass keeps that order in our own state (``data_cluster_imported_order``:
+up to one id per sample) until the pass ends.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ._index import IndexFile, write_index_file
-
-if TYPE_CHECKING:
-    from ._sampler import DeepSpeedDataSampler
+from ._config import DataEfficiencyConfig
+from ._index import IndexFile, find_fit_int_dtype, write_index_file
 
 __all__ = [
     "DEEPSPEED_STATE_KEYS",
-    "deepspeed_state",
+    "STATE_FORMAT",
+    "deepspeed_to_state",
     "is_deepspeed_state",
-    "load_deepspeed_state",
     "read_deepspeed_sampler_state",
+    "state_to_deepspeed",
 ]
 
 log = logging.getLogger(__name__)
+
+STATE_FORMAT = "zlightning.DeepSpeedDataSampler/1"
+"""The ``format`` tag of `DeepSpeedDataSampler.state_dict` (zlightning's layout); DeepSpeed's state has none."""
 
 DEEPSPEED_STATE_KEYS = (
     "batch",
@@ -71,6 +80,9 @@ DEEPSPEED_STATE_KEYS = (
     "np_rng_state",
 )
 """The keys of DeepSpeed's ``DeepSpeedDataSampler.state_dict()``, in its order."""
+
+SHAPE_KEYS = ("one_epoch_total_samples", "micro_batch_size", "data_parallel_size", "gradient_accumulation_steps", "seed")
+"""The keys of the ``shape`` entry of `DeepSpeedDataSampler.state_dict` (what a resuming sampler must match)."""
 
 
 def is_deepspeed_state(state: Mapping[str, Any]) -> bool:
@@ -114,7 +126,8 @@ def read_deepspeed_sampler_state(path: str | os.PathLike[str], *, weights_only: 
     if not isinstance(state, Mapping) or not is_deepspeed_state(state):
         raise ValueError(
             f"read_deepspeed_sampler_state: {path} holds no DeepSpeed sampler state (a 'data_sampler' entry with "
-            f"keys {list(DEEPSPEED_STATE_KEYS)}); DeepSpeed writes it to mp_rank_00_model_states.pt when data_efficiency.data_sampling is enabled."
+            f"keys {list(DEEPSPEED_STATE_KEYS)}); DeepSpeed writes it to mp_rank_00_model_states.pt when "
+            "data_efficiency.data_sampling is enabled."
         )
     return _plain(dict(state))
 
@@ -139,125 +152,151 @@ def _err(msg: str) -> ValueError:
     return ValueError(f"DeepSpeedDataSampler.load_state_dict (DeepSpeed checkpoint): {msg}")
 
 
-def _check_keys(sampler: DeepSpeedDataSampler, state: Mapping[str, Any]) -> Path:
-    if not sampler.curriculum_enabled:
+def deepspeed_to_state(
+    ds_state: Mapping[str, Any], *, config: DataEfficiencyConfig, shape: Mapping[str, int]
+) -> dict[str, Any]:
+    """DeepSpeed's sampler state translated into the layout of `DeepSpeedDataSampler.state_dict`.
+
+    Reads the cluster files named in ``ds_state`` from the config's ``data_cluster_path``. See
+    [Note: DeepSpeed checkpoints].
+
+    Args:
+        ds_state: DeepSpeed's ``checkpoint["data_sampler"]`` (see `is_deepspeed_state`).
+        config: The receiving sampler's config (its metrics, ``data_cluster_path`` and seed).
+        shape: The receiving sampler's ``state_dict()["shape"]`` (keys `SHAPE_KEYS`).
+
+    Returns:
+        A state that the receiving sampler's ``load_state_dict`` accepts.
+
+    Raises:
+        ValueError: If the curriculum is disabled, the config has no ``data_cluster_path`` or another metric set, a
+            cluster name does not match the metrics, a cursor is out of range, or the pending batch does not fit the
+            micro-batch layout of ``shape``.
+        FileNotFoundError: If a cluster file named in the state is missing.
+    """
+    curriculum = config.curriculum
+    if not curriculum.enabled:
         raise _err("curriculum_learning is disabled in this config; DeepSpeed only saves sampler state with it on.")
-    if sampler._cluster_dir is None:
+    if not curriculum.data_cluster_path:
         raise _err(
             "set curriculum_learning.data_cluster_path to the DeepSpeed run's cluster folder: its cluster files hold "
             "the order of each cluster's current pass."
         )
-    names, positions = state["data_cluster_paths"], state["data_cluster_current_position"]
-    if len(names) != len(positions):
-        raise _err(f"{len(names)} data_cluster_paths but {len(positions)} data_cluster_current_position entries.")
-    metrics = list(sampler.curriculum_schedulers)
-    fresh = int(state["curriculum_step"]) == 0 and not state["current_difficulties"]  # saved before any batch
-    if not fresh and sorted(state["current_difficulties"]) != sorted(metrics):
-        raise _err(f"current_difficulties has metrics {sorted(state['current_difficulties'])}, config has {metrics}.")
-    return sampler._cluster_dir
+    metrics = list(curriculum.curriculum_metrics)
+    step, difficulties = int(ds_state["curriculum_step"]), dict(ds_state["current_difficulties"])
+    if not (step == 0 and not difficulties) and sorted(difficulties) != sorted(metrics):  # step 0: before any batch
+        raise _err(f"current_difficulties has metrics {sorted(difficulties)}, config has {metrics}.")
+    names, cluster_difficulties, orders = _read_clusters(ds_state, Path(curriculum.data_cluster_path), metrics)
+    m, n = shape["micro_batch_size"] * shape["data_parallel_size"], shape["one_epoch_total_samples"]
+    batch = _checked_batch(ds_state["batch"], m, n)
+    consumed = int(ds_state["consumed_samples"]) + (m if step > 0 else 0)  # DeepSpeed lags one micro-batch
+    schedules = {name: metric.schedule for name, metric in curriculum.curriculum_metrics.items()}
+    return {
+        "format": STATE_FORMAT,
+        "shape": {k: shape[k] for k in SHAPE_KEYS},
+        "batch": batch,
+        "consumed_samples": consumed,
+        "micro_batches": math.ceil(consumed / m),
+        "epoch": 0,
+        "epoch_position": 0,
+        "curriculum_step": step,
+        "current_difficulties": {k: int(v) for k, v in difficulties.items()},
+        "data_cluster_paths": names,
+        "data_cluster_difficulties": cluster_difficulties,
+        "data_cluster_pass": [0] * len(names),
+        "data_cluster_current_position": [int(pos) for pos in ds_state["data_cluster_current_position"]],
+        "np_rng_state": _rng_state(ds_state["np_rng_state"], shape["seed"]),
+        "scheduler_states": {
+            name: {"current_difficulty": int(difficulties.get(name, schedule.min_difficulty))}
+            for name, schedule in schedules.items()
+        },
+        "data_cluster_imported_order": {name: order.tolist() for name, order in zip(names, orders)},
+    }
 
 
-def _import_clusters(sampler: DeepSpeedDataSampler, folder: Path, state: Mapping[str, Any]) -> None:
-    metrics = list(sampler.curriculum_schedulers)
-    for raw, pos in zip(state["data_cluster_paths"], state["data_cluster_current_position"]):
+def _read_clusters(
+    ds_state: Mapping[str, Any], folder: Path, metrics: list[str]
+) -> tuple[list[str], list[dict[str, int]], list[np.ndarray]]:
+    """Names, difficulties and current-pass orders of DeepSpeed's clusters, the cursors checked against the files."""
+    paths, positions = ds_state["data_cluster_paths"], ds_state["data_cluster_current_position"]
+    if len(paths) != len(positions):
+        raise _err(f"{len(paths)} data_cluster_paths but {len(positions)} data_cluster_current_position entries.")
+    names, difficulties, orders = [], [], []
+    for raw, pos in zip(paths, positions):
         name = str(raw).replace("\\", "/").split("/")[-1]  # legacy checkpoints stored absolute paths
-        diffs = parse_cluster_name(name, metrics)
+        difficulties.append(parse_cluster_name(name, metrics))
         order = np.asarray(IndexFile(folder / name)[0], dtype=np.int64)
-        members = sampler._compute_cluster(diffs)
-        if order.size != members.size or not np.array_equal(np.sort(order), members):
-            raise _err(
-                f"cluster {name!r} in {folder} holds {order.size} ids, but the metric index files give "
-                f"{members.size} samples newly eligible at {diffs}: the cluster files, the index files and the config "
-                "must come from the same run."
-            )
         if isinstance(pos, bool) or not 0 <= int(pos) <= order.size:
             raise _err(f"cluster {name!r}: position {pos!r} is outside [0, {order.size}].")
-        cluster = sampler._add_cluster(name, diffs, members)
-        cluster.first_pass, cluster.position = order, int(pos)
+        names.append(name)
+        orders.append(order)
+    return names, difficulties, orders
 
 
-def _import_rng(sampler: DeepSpeedDataSampler, rng_state: Any) -> None:
-    if isinstance(rng_state, Mapping) and rng_state.get("bit_generator") == "PCG64":
-        sampler.np_rng.bit_generator.state = dict(rng_state)
-        return
-    log.warning(
-        "DeepSpeedDataSampler: the DeepSpeed checkpoint's np_rng_state is the global legacy numpy RNG state "
-        "(DeepSpeed <= 0.19.8, issue #8405), not the sampler's generator; sampling continues from the configured "
-        "seed and the global numpy RNG is left untouched."
-    )
-
-
-def load_deepspeed_state(sampler: DeepSpeedDataSampler, state: Mapping[str, Any]) -> None:
-    """Restores DeepSpeed's sampler state into ``sampler``. See [Note: DeepSpeed checkpoints].
-
-    Raises:
-        ValueError: If the config has no ``data_cluster_path`` or another metric set, a cluster file does not match
-            the index files, or the pending batch does not fit this sampler's micro-batch layout.
-        FileNotFoundError: If a cluster file named in the state is missing.
-    """
-    folder = _check_keys(sampler, state)
-    sampler._reset_state()
-    _import_clusters(sampler, folder, state)
-    _import_rng(sampler, state["np_rng_state"])
-    m, n = sampler.micro_batch_times_data_parallel_size, sampler.one_epoch_total_samples
-    batch = np.asarray([int(i) for i in state["batch"]], dtype=np.int64)
+def _checked_batch(raw: Sequence[Any], m: int, n: int) -> list[int]:
+    batch = np.asarray([int(i) for i in raw], dtype=np.int64)
     if batch.size % m or (batch.size and (batch.min() < 0 or batch.max() >= n)):
         raise _err(
             f"the pending batch has {batch.size} ids (range {batch.min(initial=0)}..{batch.max(initial=0)}); this "
             f"sampler needs a multiple of micro_batch_size * data_parallel_size = {m} ids in [0, {n}). Resume with "
             "the DeepSpeed run's micro-batch size and data-parallel size."
         )
-    step = int(state["curriculum_step"])
-    sampler.curriculum_step = step
-    sampler.current_difficulties = {k: int(v) for k, v in state["current_difficulties"].items()}
-    for name, d in sampler.current_difficulties.items():
-        sampler.curriculum_schedulers[name].set_current_difficulty(d)
-    consumed = int(state["consumed_samples"]) + (m if step > 0 else 0)  # DeepSpeed lags one micro-batch
-    sampler.consumed_samples = consumed
-    sampler.micro_batches = -(-consumed // m)
-    sampler._batch, sampler._batch_pos = batch, 0
-    sampler._restart_history()
+    return batch.tolist()
 
 
-def deepspeed_state(
-    sampler: DeepSpeedDataSampler, cluster_dir: str | Path, micro_batches: int | None = None
+def _rng_state(rng_state: Any, seed: int) -> dict[str, Any]:
+    if isinstance(rng_state, Mapping) and rng_state.get("bit_generator") == "PCG64":
+        return _plain(dict(rng_state))
+    log.warning(
+        "DeepSpeedDataSampler: the DeepSpeed checkpoint's np_rng_state is the global legacy numpy RNG state "
+        "(DeepSpeed <= 0.19.8, its issue #8405), not the sampler's generator; sampling continues from the configured "
+        "seed and the global numpy RNG is left untouched."
+    )
+    return _plain(np.random.Generator(np.random.PCG64(seed)).bit_generator.state)
+
+
+def state_to_deepspeed(
+    state: Mapping[str, Any], *, cluster_dir: str | os.PathLike[str], cluster_orders: Sequence[np.ndarray]
 ) -> dict[str, Any]:
-    """The sampler's state in DeepSpeed's layout, writing DeepSpeed cluster files under ``cluster_dir``.
+    """A `DeepSpeedDataSampler.state_dict` translated into DeepSpeed's layout, writing its cluster files.
 
     See [Note: DeepSpeed checkpoints].
 
     Args:
-        sampler: The sampler.
-        cluster_dir: Folder for the cluster files (not the sampler's own ``data_cluster_path``, whose files of the
-            same names hold sorted members).
-        micro_batches: As in `DeepSpeedDataSampler.state_dict`.
+        state: The sampler's ``state_dict()`` (with curriculum).
+        cluster_dir: Folder for DeepSpeed's cluster files (not the sampler's own ``data_cluster_path``, whose files
+            of the same names hold sorted members).
+        cluster_orders: The order of each cluster's current pass, in the order of ``state["data_cluster_paths"]``
+            (the sampler knows them: its passes are permutations derived from the seed, or an imported order).
+
+    Returns:
+        DeepSpeed's seven keys (`DEEPSPEED_STATE_KEYS`).
 
     Raises:
-        ValueError: If the curriculum is disabled, or ``cluster_dir`` is the sampler's own cluster folder.
+        ValueError: If ``state`` is not in the sampler's layout, or ``cluster_orders`` does not have one order per
+            cluster.
     """
-    if not sampler.curriculum_enabled:
+    if state.get("format") != STATE_FORMAT:
         raise ValueError(
-            "DeepSpeedDataSampler.deepspeed_state_dict: DeepSpeed keeps no sampler state without curriculum."
+            f"state_to_deepspeed: expected a DeepSpeedDataSampler.state_dict() (format {STATE_FORMAT!r}), got format "
+            f"{state.get('format')!r}."
         )
+    names = list(state["data_cluster_paths"])
+    if len(cluster_orders) != len(names):
+        raise ValueError(f"state_to_deepspeed: {len(cluster_orders)} cluster orders for {len(names)} clusters {names}.")
+    shape = state["shape"]
+    dtype = find_fit_int_dtype(0, shape["one_epoch_total_samples"] - 1)
     folder = Path(cluster_dir)
-    own = sampler._cluster_dir
-    if own is not None and folder.resolve() == own.resolve():
-        raise ValueError(
-            f"DeepSpeedDataSampler.deepspeed_state_dict: {folder} is this sampler's own data_cluster_path; write the "
-            "DeepSpeed cluster files to another folder."
-        )
-    mark = sampler._mark() if micro_batches is None else sampler._find_mark(micro_batches)
-    d = mark.durable
-    for i, name in enumerate(d.cluster_names):
-        order = sampler._pass_order(i, d.cluster_pass[i])
-        write_index_file(folder / name, order, [order.size], sampler.index_dtype)
-    m = sampler.micro_batch_times_data_parallel_size
+    for name, order in zip(names, cluster_orders):
+        write_index_file(folder / name, order, [len(order)], dtype)
+    m = shape["micro_batch_size"] * shape["data_parallel_size"]
+    consumed = int(state["consumed_samples"])
     return {
-        "batch": mark.batch[mark.batch_pos :].tolist(),
-        "consumed_samples": max(0, mark.consumed_samples - m) if mark.micro_batches > 0 else 0,
-        "curriculum_step": d.curriculum_step,
-        "current_difficulties": dict(d.current_difficulties),
-        "data_cluster_paths": list(d.cluster_names),
-        "data_cluster_current_position": list(d.cluster_position),
-        "np_rng_state": copy.deepcopy(d.rng_state),
+        "batch": list(state["batch"]),
+        "consumed_samples": max(0, consumed - m) if state["micro_batches"] > 0 else 0,
+        "curriculum_step": state["curriculum_step"],
+        "current_difficulties": dict(state["current_difficulties"]),
+        "data_cluster_paths": names,
+        "data_cluster_current_position": list(state["data_cluster_current_position"]),
+        "np_rng_state": copy.deepcopy(state["np_rng_state"]),
     }

@@ -78,7 +78,13 @@ from typing import Any
 import numpy as np
 
 from ._config import CurriculumMetricConfig, DataEfficiencyConfig
-from ._deepspeed_state import DEEPSPEED_STATE_KEYS, deepspeed_state, is_deepspeed_state, load_deepspeed_state
+from ._deepspeed_state import (
+    DEEPSPEED_STATE_KEYS,
+    STATE_FORMAT,
+    deepspeed_to_state,
+    is_deepspeed_state,
+    state_to_deepspeed,
+)
 from ._index import IndexFile, find_fit_int_dtype, write_index_file
 from ._schedule import CurriculumScheduler, CustomDifficultyFn
 
@@ -91,7 +97,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_STATE_FORMAT = "zlightning.DeepSpeedDataSampler/1"
 _HISTORY = 4096  # yields remembered for state_dict(micro_batches=k); far more than any loader prefetches
 
 
@@ -699,7 +704,7 @@ class DeepSpeedDataSampler:
         mark = self._mark() if micro_batches is None else self._find_mark(micro_batches)
         d = mark.durable
         return {
-            "format": _STATE_FORMAT,
+            "format": STATE_FORMAT,
             "shape": self._shape(),
             "batch": mark.batch[mark.batch_pos :].tolist(),
             "consumed_samples": mark.consumed_samples,
@@ -734,7 +739,19 @@ class DeepSpeedDataSampler:
         Raises:
             ValueError: Without curriculum, or if ``cluster_dir`` is this sampler's own cluster folder.
         """
-        return deepspeed_state(self, cluster_dir, micro_batches)
+        if not self.curriculum_enabled:
+            raise ValueError(
+                "DeepSpeedDataSampler.deepspeed_state_dict: DeepSpeed keeps no sampler state without curriculum."
+            )
+        folder = Path(cluster_dir)
+        if self._cluster_dir is not None and folder.resolve() == self._cluster_dir.resolve():
+            raise ValueError(
+                f"DeepSpeedDataSampler.deepspeed_state_dict: {folder} is this sampler's own data_cluster_path; write "
+                "the DeepSpeed cluster files to another folder."
+            )
+        state = self.state_dict(micro_batches)
+        orders = [self._pass_order(i, p) for i, p in enumerate(state["data_cluster_pass"])]
+        return state_to_deepspeed(state, cluster_dir=folder, cluster_orders=orders)
 
     def _find_mark(self, k: int) -> _Mark:
         for mark in reversed(self._history):
@@ -759,19 +776,22 @@ class DeepSpeedDataSampler:
         """Restores `state_dict` output (iteration then continues the identical sequence), or DeepSpeed's state.
 
         A state with DeepSpeed's keys and no ``format`` (``checkpoint["data_sampler"]`` of a DeepSpeed checkpoint)
-        is imported: see [Note: DeepSpeed checkpoints] in ``_deepspeed_state.py``.
+        is first translated into this sampler's layout (``deepspeed_to_state``, which reads DeepSpeed's cluster files
+        from ``data_cluster_path``), then loaded the same way: see [Note: DeepSpeed checkpoints] in
+        ``_deepspeed_state.py``.
 
         Raises:
             ValueError: If the state is not from a compatible sampler (different dataset length, batch shape or
-                seed: the message names what differs), or a cluster cannot be rebuilt.
+                seed: the message names what differs), a cluster cannot be rebuilt or its saved order does not hold
+                its members, or a DeepSpeed state does not fit this config (see ``deepspeed_to_state``).
+            FileNotFoundError: If a DeepSpeed cluster file named in the state is missing.
         """
         if is_deepspeed_state(state):
-            load_deepspeed_state(self, state)
-            return
-        if state.get("format") != _STATE_FORMAT:
+            state = deepspeed_to_state(state, config=self.config, shape=self._shape())
+        if state.get("format") != STATE_FORMAT:
             raise ValueError(
                 f"DeepSpeedDataSampler.load_state_dict: unsupported state format {state.get('format')!r} (expected "
-                f"{_STATE_FORMAT!r}, or DeepSpeed's sampler state with keys {list(DEEPSPEED_STATE_KEYS)})."
+                f"{STATE_FORMAT!r}, or DeepSpeed's sampler state with keys {list(DEEPSPEED_STATE_KEYS)})."
             )
         diff = {k: (v, state["shape"].get(k)) for k, v in self._shape().items() if state["shape"].get(k) != v}
         if diff:
@@ -781,21 +801,25 @@ class DeepSpeedDataSampler:
                 "data-parallel size, gradient accumulation and seed."
             )
         self._reset_state()
+        imported = state.get("data_cluster_imported_order", {})
         for name, diffs in zip(state["data_cluster_paths"], state["data_cluster_difficulties"]):
             members = self._load_or_compute_cluster(diffs)
-            if self._cluster_name(diffs) != name or members.size == 0:
+            # An imported cluster may be empty (DeepSpeed keeps those); its order is checked below.
+            if self._cluster_name(diffs) != name or (members.size == 0 and name not in imported):
                 raise ValueError(f"DeepSpeedDataSampler.load_state_dict: cannot rebuild cluster {name!r} from {diffs}.")
             self._add_cluster(name, dict(diffs), members)
         for c, p, pos in zip(self.data_clusters, state["data_cluster_pass"], state["data_cluster_current_position"]):
             c.pass_no, c.position = int(p), int(pos)
         for c in self.data_clusters:
-            order = state.get("data_cluster_imported_order", {}).get(c.name)
+            order = imported.get(c.name)
             if order is not None:
                 c.first_pass = np.asarray(order, dtype=np.int64)
                 if not np.array_equal(np.sort(c.first_pass), c.members):
                     raise ValueError(
-                        f"DeepSpeedDataSampler.load_state_dict: the imported order of {c.name!r} is not a permutation "
-                        "of its members; the checkpoint does not belong to these index files."
+                        f"DeepSpeedDataSampler.load_state_dict: cluster {c.name!r}: the checkpoint's order of its "
+                        f"current pass holds {c.first_pass.size} ids, but the metric index files give "
+                        f"{c.members.size} samples newly eligible at {c.difficulties}: the cluster files (DeepSpeed's, "
+                        "for an imported state), the index files and the config must come from the same run."
                     )
         self.np_rng.bit_generator.state = state["np_rng_state"]
         for name, s in state["scheduler_states"].items():
