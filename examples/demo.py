@@ -18,11 +18,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import TensorBoardLogger
 
 import zlightning  # noqa: F401  (registers zstack_zero3)
 from zlightning.models import GPTLightningModule
 from zlightning.datamodules import TextCorpusDataModule
+from zlightning.loggers import TensorBoardLogger  # a section per concern (loss, throughput, memory), no hp_metric
 from zlightning.strategies import ZeroMemoryMonitor, ZStackZero3Strategy
 from zlightning.zero import ZeroConfig, summon_full_params
 

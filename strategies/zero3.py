@@ -589,8 +589,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
 
 class ZeroMemoryMonitor(Callback):
-    """Logs ``zstack_zero3``'s memory report (MB per rank, rank 0's values) every ``every_n_steps`` steps and keeps
-    the last report in ``self.last``."""
+    """Logs ``zstack_zero3``'s memory report (MB per rank, rank 0's values) every ``every_n_steps`` steps as
+    ``memory/zero_<part>_mb`` (TensorBoard's ``memory`` section, beside ``*/rss_mb``; see [Note: TensorBoard sections]
+    in ``zlightning.loggers``) and keeps the last report in ``self.last``."""
 
     def __init__(self, every_n_steps: int = 50) -> None:
         if every_n_steps < 1:
@@ -606,7 +607,7 @@ class ZeroMemoryMonitor(Callback):
         if trainer.global_step % self.every_n_steps:
             return
         self.last = strategy.memory_report()
-        mb = {f"zero/{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
+        mb = {f"memory/zero_{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
         pl_module.log_dict(mb, rank_zero_only=True)
 
 

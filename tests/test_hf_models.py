@@ -8,6 +8,7 @@ Lightning Trainer on 2 CPU ranks, each against a single-process reference (losse
 * exports: ``zlightning consolidate`` of the sharded ZeRO-3 checkpoint loads into ``LlamaForCausalLM`` with
   ``load_state_dict(strict=True)`` and ``export_pretrained`` writes a folder ``from_pretrained`` reads; the pipeline
   checkpoint, consolidated and renamed (``pipeline_to_hf_state``), loads strictly too;
+* ``PipelineBubbleMonitor`` on the pipeline run: the simulated bubble of the schedule, a measured idle fraction;
 * single process: the pipeline layers reproduce the logits of Llama (tied and untied, sdpa and eager), Mistral with a
   sliding window, Qwen2 and GPT-2 exactly, and the renaming round-trips.
 
@@ -99,15 +100,16 @@ def _pipe_module() -> pl.LightningModule:
     return module
 
 
-def _trainer(strategy: Any) -> pl.Trainer:
+def _trainer(strategy: Any, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
     return pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
     )
 
 
 def rank_runs(rank: int, world: int, zero_ckpt: str, pipe_ckpt: str) -> dict[str, Any]:
     import zlightning  # noqa: F401
+    from zlightning.callbacks import PipelineBubbleMonitor
     from zlightning.inject import tp_full_state
     from zlightning.strategies import PipelineStrategy, ZStackZero3Strategy
     from zlightning.zero import summon_full_params
@@ -128,10 +130,11 @@ def rank_runs(rank: int, world: int, zero_ckpt: str, pipe_ckpt: str) -> dict[str
         inject = [str(w.message) for w in caught if "module_inject" in str(w.message)]
         out[name] = {"losses": module.losses, "state": state, "dp": dp, "inject_warnings": inject}
     module = _pipe_module()
-    trainer = _trainer(PipelineStrategy(micro_batches=2))
+    bubble = PipelineBubbleMonitor(every_n_batches=1)
+    trainer = _trainer(PipelineStrategy(micro_batches=2), callbacks=[bubble])
     trainer.fit(module, DataLoader(_dataset(), batch_size=2 * MICRO))  # one pipeline replica: the whole global batch
     trainer.save_checkpoint(pipe_ckpt)
-    out["pipeline"] = {"losses": module.losses, "stage": trainer.strategy.engine.grid.stage,
+    out["pipeline"] = {"losses": module.losses, "stage": trainer.strategy.engine.grid.stage, "bubble": bubble.last,
                        "state": {k: v.detach().clone() for k, v in module.pipe.state_dict().items()}}
     return out
 
@@ -185,6 +188,9 @@ def test_llama_pipeline_on_two_stages_matches_the_unsplit_model(runs: Any) -> No
     model.load_state_dict(pipeline_to_hf_state(start, config), strict=True)
     ref_losses, ref_state = _reference(model, _global_batches(1, per_replica=2 * MICRO))
     assert sorted(r["pipeline"]["stage"] for r in out) == [0, 1]
+    for r in out:  # PipelineBubbleMonitor: 1F1B on 2 stages, 2 micro-batches: (P - 1) / (M + P - 1) simulated
+        assert r["pipeline"]["bubble"]["pipeline/bubble_simulated"] == pytest.approx(1 / 3)
+        assert 0.0 <= r["pipeline"]["bubble"]["pipeline/idle_fraction"] < 1.0
     for r in out:
         torch.testing.assert_close(r["pipeline"]["losses"], ref_losses, **TOL)
     merged = {k: v for r in out for k, v in r["pipeline"]["state"].items()}
