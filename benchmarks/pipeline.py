@@ -1,10 +1,16 @@
-"""Pipeline parallelism benchmark: measured bubble vs theory, and throughput side by side with
-``torch.distributed.pipelining`` (Schedule1F1B, ScheduleGPipe) on the same model, split and micro-batches.
+"""Pipeline parallelism benchmark: measured bubble vs theory, peak activation memory, and throughput side by side
+with ``torch.distributed.pipelining`` (Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble, ScheduleDualPipeV) on the same model, split and micro-batches.
 
 Usage::
 
     .venv/bin/python benchmarks/pipeline.py                 # P=2 ranks, m in {2,4,8}, 2 warm-up + 5 timed steps, 3 repeats
     .venv/bin/python benchmarks/pipeline.py --ranks 4 --steps 10 --d-model 256
+    .venv/bin/python benchmarks/pipeline.py --zero-bubble --layers 8 --d-model 256 --seq 128 --out pipeline_zero_bubble
+
+``--zero-bubble`` selects the zero-bubble comparison: our ``1f1b``, ``zb_h1`` and ``zbv`` against torch.pipelining's
+``Schedule1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` at
+m = 4/8/16. Two-chunk variants (``zbv``, torch's interleaved/ZBV/DualPipeV) split the layers into ``2P`` chunks.
 
 Model: ``--layers`` transformer ``Block``s of ``examples/gpt_model.py`` (uniform split, ``layers / P`` per stage),
 float inputs ``[micro_size * m, seq, d_model]``, MSE loss against a random target, SGD. Every variant runs in the same
@@ -24,10 +30,29 @@ bubble of that replay: it differs from theory only by uneven stage times (the la
 on a shared CPU, time-slicing by other processes lengthens random actions). ``measured - replay`` is then what
 transfers, waits and per-action overhead add. Both use the same compute spans, which exclude transfers.
 
+The zero-bubble schedules' theory is the timing model of ``zlightning.pipe.timeline`` with unit costs (F = B = W,
+a full backward 2F): ``(P-1)/(3m+P-1)`` for ZB-H1, and ZBV's list-scheduled order (0.020 at P = 2, m = 8); for 1F1B
+it is the formula above.
+
+[Note: peak activation memory]
+After the timed steps each variant runs one more step with autograd's saved-tensor hooks counting the bytes of every
+tensor saved for backward while it is alive (each storage once, parameters excluded): the peak per rank is the
+activation memory the schedule holds at its fullest, in the same units for our engine and torch.pipelining. A zero-
+bubble schedule keeps a micro-batch's saved tensors until its ``W`` (weight gradients) ran, not only until its
+``B``. The counting step is not timed.
+
 [Note: throughput]
 Samples per second over the timed steps (median step time, rank 0), where a step is the schedule (forward and
 backward of all micro-batches) plus the optimizer step. torch.distributed.pipelining gets the same stage modules,
 loss and optimizer; its shape inference runs during warm-up.
+
+[Note: the 1F1B bubble at m = 8]
+On this shared 2-core VM the measured 1F1B bubble at m = 8 is about 1.2x (P-1)/(m+P-1) although the two stages'
+median action times are equal. It is already in the replay (free transfers), so it is compute time, not transfers:
+each action's duration spreads (p90 +8-10%, max +25% over the median), and in 1F1B on two ranks each stage waits for
+the other's previous action, so whenever one of a pair runs long the other idles, over 2m actions. Replaying with
+every action at its stage's median time gives 1.02x theory. The zero-bubble schedules absorb part of it: a pending
+``W`` fills the wait.
 """
 
 from __future__ import annotations
@@ -48,7 +73,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt_model import Block, GPTConfig  # noqa: E402
-from zlightning.pipe import LayerSpec, PipelineConfig, PipelineEngine, PipelineModule  # noqa: E402
+from zlightning.pipe import LayerSpec, PipelineConfig, PipelineEngine, PipelineModule, build_schedule, timeline  # noqa: E402
 from zlightning.pipe._schedule import Action, ActionKind  # noqa: E402
 from zlightning.testing import run_distributed  # noqa: E402
 
@@ -62,6 +87,54 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _module(args: argparse.Namespace, pp: int) -> PipelineModule:
     cfg = GPTConfig(d_model=args.d_model, n_head=args.heads, seq_len=args.seq, n_layer=args.layers)
     return PipelineModule([LayerSpec(Block, cfg) for _ in range(args.layers)], loss_fn=_mse, num_stages=pp, partition_method="uniform")
+
+
+class _ActivationMeter:
+    """Peak bytes of tensors saved for backward and still alive; see [Note: peak activation memory]."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[int, list[int]] = {}  # storage -> [references, bytes]
+        self.bytes = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        key = t.untyped_storage().data_ptr()
+        if key in self.skip or t.device.type == "meta":
+            return t
+        entry = self.live.setdefault(key, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.bytes += entry[1]
+            self.peak = max(self.peak, self.bytes)
+        entry[0] += 1
+        return _Held(self, key, t)
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.bytes -= entry[1]
+            del self.live[key]
+
+
+class _Held:
+    def __init__(self, meter: _ActivationMeter, key: int, t: torch.Tensor) -> None:
+        self.meter, self.key, self.t = meter, key, t
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    return x.t if isinstance(x, _Held) else x
+
+
+def _peak_activations(params: list[torch.Tensor], step: Any) -> float:
+    """MiB of saved activations at the fullest point of one ``step()`` on this rank."""
+    meter = _ActivationMeter(params)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack):
+        step()
+    return meter.peak / 2**20
 
 
 def _data(args: argparse.Namespace, m: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -91,7 +164,9 @@ def _replay_bubble(step_spans: list[list[tuple[str, float, float]]]) -> float:
                 a, dur = prog[pos[r]]
                 fwd = a.kind is ActionKind.FORWARD
                 deps = [(a.stage - 1, a.kind, a.microbatch)] if fwd and a.stage > 0 else []
-                if not fwd:
+                if a.kind is ActionKind.WEIGHT:
+                    deps = [(a.stage, ActionKind.BACKWARD, a.microbatch)]
+                elif not fwd:
                     deps = [(a.stage, ActionKind.FORWARD, a.microbatch)]
                     deps += [(a.stage + 1, a.kind, a.microbatch)] if a.stage < last else []
                 if any(d not in done for d in deps):
@@ -110,7 +185,10 @@ def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) ->
     module = _module(args, pp)
     engine = PipelineEngine(module, lambda ps: torch.optim.SGD(ps, lr=1e-3), PipelineConfig(micro_batches=m, schedule=schedule))
     times, bubbles, replays = [], [], []
-    for i, (x, y) in enumerate(_data(args, m, args.warmup + args.steps)):
+    batches = _data(args, m, args.warmup + args.steps + 1)
+    x, y = batches.pop()
+    peak = _peak_activations(list(module.parameters()), lambda: engine.train_batch(batch=(x, y)))
+    for i, (x, y) in enumerate(batches):
         timed = i >= args.warmup
         engine.timings = [] if timed else None
         dist.barrier()
@@ -126,33 +204,55 @@ def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) ->
         "step_s": statistics.median(times[args.warmup :]),
         "bubble": statistics.median(bubbles),
         "replay_bubble": statistics.median(replays),
+        "peak_act_mib": _per_rank(peak),
     }
 
 
+def _per_rank(value: float) -> list[float]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+_TORCH_MULTI = {"interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+"""torch.pipelining schedules with two stages per rank (``--variants torch:<key>``)."""
+
+
 def _run_torch(args: argparse.Namespace, pp: int, m: int, schedule: str) -> dict[str, Any]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
 
     rank = dist.get_rank()
-    module = _module(args, pp).build(stages=(rank,), total_stages=pp)  # same layers, same seeds, same split
-    stage_mod = nn.Sequential(*[module.get_submodule(str(i)) for i in module.stage_layers(rank)])
-    stage = PipelineStage(stage_mod, rank, pp, torch.device("cpu"))
-    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    sched = cls(stage, n_microbatches=m, loss_fn=_mse)
-    opt = torch.optim.SGD(stage_mod.parameters(), lr=1e-3)
-    times = []
-    for x, y in _data(args, m, args.warmup + args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            sched.step(x)
-        elif rank == pp - 1:
-            sched.step(target=y, losses=[])
-        else:
-            sched.step()
+    multi = schedule in _TORCH_MULTI
+    total = 2 * pp if multi else pp
+    v_shape = schedule in ("zbv", "dualpipev")  # torch places these in a V, like our zbv
+    stages = (rank, 2 * pp - 1 - rank) if v_shape else tuple(range(rank, total, pp))
+    module = _module(args, pp).build(stages=stages, total_stages=total)  # same layers, same seeds, same split
+    mods = [nn.Sequential(*[module.get_submodule(str(i)) for i in module.stage_layers(s)]) for s in stages]
+    pipe_stages = [pipelining.PipelineStage(mod, s, total, torch.device("cpu")) for mod, s in zip(mods, stages)]
+    if multi:
+        sched = getattr(pipelining, _TORCH_MULTI[schedule])(pipe_stages, n_microbatches=m, loss_fn=_mse)
+    else:
+        cls = pipelining.Schedule1F1B if schedule == "1f1b" else pipelining.ScheduleGPipe
+        sched = cls(pipe_stages[0], n_microbatches=m, loss_fn=_mse)
+    opt = torch.optim.SGD([p for mod in mods for p in mod.parameters()], lr=1e-3)
+    first, last = 0 in stages, total - 1 in stages
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        kwargs: dict[str, Any] = {"target": y, "losses": []} if last else {}
+        sched.step(*((x,) if first else ()), **kwargs)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    times = []
+    batches = _data(args, m, args.warmup + args.steps + 1)
+    extra = batches.pop()
+    for i, (x, y) in enumerate(batches):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(x, y)
         times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times[args.warmup :])}
+    peak = _peak_activations(list(module.parameters()), lambda: step(*extra))
+    return {"step_s": statistics.median(times[args.warmup :]), "peak_act_mib": _per_rank(peak)}
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -171,36 +271,76 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
     rows = []
     for (variant, m), outs in runs.items():
         row: dict[str, Any] = {"variant": variant, "m": m, "step_s": statistics.median(o["step_s"] for o in outs),
-                               "runs_step_s": [o["step_s"] for o in outs]}
+                               "runs_step_s": [o["step_s"] for o in outs], "peak_act_mib": outs[0]["peak_act_mib"]}
         for key in ("bubble", "replay_bubble"):
             if key in outs[0]:
                 row[key] = statistics.median(o[key] for o in outs)
+                row[f"runs_{key}"] = [o[key] for o in outs]
         rows.append(row)
     return rows
+
+
+_CHUNKS = {"interleaved_1f1b": 2, "zbv": 2}
+
+
+def _theory(schedule: str, p: int, m: int) -> float:
+    """The timing model's bubble with unit costs (F = B = W, a whole backward 2F); see the module docstring."""
+    v = _CHUNKS.get(schedule, 1)
+    return timeline(build_schedule(schedule, p, m, v), 1.0, 2.0, 1.0).bubble_fraction
+
+
+def _find(table: list[dict[str, Any]], variant: str, m: int) -> dict[str, Any] | None:
+    return next((t for t in table if t["variant"] == variant and t["m"] == m), None)
+
+
+def _compare(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Throughput of ``a`` over ``b``: ratio of the median step times, and per repetition."""
+    if a is None or b is None:
+        return None
+    return {"ratio": b["step_s"] / a["step_s"], "per_repetition": [y / x for x, y in zip(a["runs_step_s"], b["runs_step_s"])]}
 
 
 def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     p = args.ranks
     table = []
     for r in rows:
-        samples = args.micro_size * r["m"]
-        entry = {**r, "samples_per_s": samples / r["step_s"]}
-        if "bubble" in r:
-            v = 2 if r["variant"].endswith("interleaved_1f1b") else 1
-            theory = (p - 1) / (v * r["m"] + p - 1)
-            entry.update(theory=theory, bubble_vs_theory=r["bubble"] / theory)
+        entry = {**r, "samples_per_s": args.micro_size * r["m"] / r["step_s"]}
+        impl, schedule = r["variant"].split(":")
+        if impl == "zlightning":
+            entry["theory"] = _theory(schedule, p, r["m"])
+            entry["bubble_vs_theory"] = r["bubble"] / entry["theory"] if entry["theory"] else float("nan")
         table.append(entry)
     ratios = []
     for m in args.micro:
         for sched in ("1f1b", "gpipe"):
-            ours = next((t for t in table if t["variant"] == f"zlightning:{sched}" and t["m"] == m), None)
-            theirs = next((t for t in table if t["variant"] == f"torch:{sched}" and t["m"] == m), None)
-            if ours and theirs:
-                per_run = [t / o for o, t in zip(ours["runs_step_s"], theirs["runs_step_s"])]
-                ratios.append({"m": m, "schedule": sched, "throughput_ratio_vs_torch": theirs["step_s"] / ours["step_s"],
-                               "per_repetition": per_run})
+            c = _compare(_find(table, f"zlightning:{sched}", m), _find(table, f"torch:{sched}", m))
+            if c is not None:
+                ratios.append({"m": m, "schedule": sched, "throughput_ratio_vs_torch": c["ratio"], "per_repetition": c["per_repetition"]})
+    zero_bubble = []
+    for m in args.micro:
+        ours = {k: _find(table, f"zlightning:{k}", m) for k in ("1f1b", "zb_h1", "zbv")}
+        theirs = [t for t in (_find(table, f"torch:{k}", m) for k in _TORCH_MULTI) if t is not None]
+        if ours["1f1b"] is None or (ours["zb_h1"] is None and ours["zbv"] is None):
+            continue
+        best = max(theirs, key=lambda t: t["samples_per_s"]) if theirs else None
+        entry: dict[str, Any] = {"m": m, "torch_best_zero_bubble": best["variant"] if best else None}
+        for name in ("zb_h1", "zbv"):
+            mine = ours[name]
+            if mine is None:
+                continue
+            entry[f"{name}_vs_1f1b"] = _compare(mine, ours["1f1b"])
+            entry[f"{name}_vs_torch_best"] = _compare(mine, best)
+            entry[f"{name}_bubble_over_1f1b"] = mine["bubble"] / ours["1f1b"]["bubble"]
+            entry[f"{name}_replay_bubble_over_1f1b"] = mine["replay_bubble"] / ours["1f1b"]["replay_bubble"]
+            entry[f"{name}_peak_act_mib"] = mine["peak_act_mib"]
+        entry["1f1b_peak_act_mib"] = ours["1f1b"]["peak_act_mib"]
+        zero_bubble.append(entry)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    return {"config": config, "load_average": list(os.getloadavg()), "rows": table, "ratios": ratios}
+    return {"config": config, "load_average": list(os.getloadavg()), "rows": table, "ratios": ratios, "zero_bubble": zero_bubble}
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 def write_markdown(result: dict[str, Any], path: Path) -> None:
@@ -211,36 +351,68 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"P={c['ranks']} gloo ranks on CPU ({c['threads']} thread each), {c['layers']} GPT blocks (d_model {c['d_model']}, "
         f"seq {c['seq']}), micro-batch {c['micro_size']} samples, {c['warmup']} warm-up + {c['steps']} timed steps, "
         f"median; every variant run {c['repeats']} times, interleaved, and the median of the runs' medians reported. "
-        f"Load average at the end: {', '.join(f'{x:.2f}' for x in result['load_average'])} (shared 2-core machine). "
-        "Generated by `benchmarks/pipeline.py`.",
+        f"Load average at the end: {', '.join(f'{x:.2f}' for x in result['load_average'])} (shared 2-core machine: "
+        "timings are noisy, compare within this run). Generated by `benchmarks/pipeline.py`.",
         "",
         "Bubble: `1 - busy / (P * makespan)` over the schedule's compute spans (transfers excluded from busy time). "
         "`replay` re-runs each measured step with zero-cost transfers (same compute durations), so `replay` vs theory "
-        "shows uneven stage times and `measured - replay` what transfers and per-action overhead add. See the "
-        "docstring of `benchmarks/pipeline.py`.",
+        "shows uneven stage times and per-action spread, `measured - replay` what transfers and per-action overhead "
+        "add. Theory: the timing model with unit costs (F = B = W; 1F1B: (P-1)/(m+P-1)). Peak activations: MiB of "
+        "tensors saved for backward at the fullest point of one step, per rank. See the docstring of "
+        "`benchmarks/pipeline.py`.",
         "",
-        "| variant | m | step (s) | samples/s | measured bubble | replay bubble (free transfers) | theory (P-1)/(vm+P-1) | measured / theory | replay / theory |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | m | step (s) | samples/s | measured bubble | replay bubble | theory | measured / theory | replay / theory | peak activations per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        b = f"{r['bubble']:.3f}" if "bubble" in r else "n/a"
-        t = f"{r['theory']:.3f}" if "theory" in r else "n/a"
-        q = f"{r['bubble_vs_theory']:.2f}" if "theory" in r else "n/a"
-        rb = f"{r['replay_bubble']:.3f}" if "replay_bubble" in r else "n/a"
-        rq = f"{r['replay_bubble'] / r['theory']:.2f}" if "theory" in r else "n/a"
-        lines.append(f"| {r['variant']} | {r['m']} | {r['step_s']:.4f} | {r['samples_per_s']:.1f} | {b} | {rb} | {t} | {q} | {rq} |")
-    lines += ["", "| m | schedule | zlightning / torch.pipelining throughput (ratio of medians) | per repetition |", "|---|---|---|---|"]
-    lines += [
-        f"| {x['m']} | {x['schedule']} | {x['throughput_ratio_vs_torch']:.3f} | {', '.join(f'{r:.2f}' for r in x['per_repetition'])} |"
-        for x in result["ratios"]
-    ]
+        th = r.get("theory")
+        peaks = ", ".join(f"{x:.1f}" for x in r["peak_act_mib"])
+        lines.append(
+            f"| {r['variant']} | {r['m']} | {r['step_s']:.4f} | {r['samples_per_s']:.1f} | {_fmt(r.get('bubble'))} | "
+            f"{_fmt(r.get('replay_bubble'))} | {_fmt(th)} | {_fmt(r.get('bubble_vs_theory'), '.2f')} | "
+            f"{_fmt(r['replay_bubble'] / th if th else None, '.2f')} | {peaks} |"
+        )
+    if result["ratios"]:
+        lines += ["", "| m | schedule | zlightning / torch.pipelining throughput (ratio of medians) | per repetition |", "|---|---|---|---|"]
+        lines += [
+            f"| {x['m']} | {x['schedule']} | {x['throughput_ratio_vs_torch']:.3f} | {', '.join(f'{r:.2f}' for r in x['per_repetition'])} |"
+            for x in result["ratios"]
+        ]
+    if result["zero_bubble"]:
+        lines += [
+            "",
+            "Zero-bubble schedules against our 1F1B and torch.pipelining's best zero-bubble schedule of the same m "
+            "(throughput: ratio of median step times, per repetition in parentheses; bubble: measured and replay, "
+            "as a fraction of our 1F1B's):",
+            "",
+            "| m | ours | throughput vs our 1F1B | vs torch's best ZB (which) | bubble / 1F1B's (replay) | peak activations per rank vs 1F1B's (MiB) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for z in result["zero_bubble"]:
+            for name in ("zb_h1", "zbv"):
+                if f"{name}_vs_1f1b" not in z:
+                    continue
+                a, b = z[f"{name}_vs_1f1b"], z[f"{name}_vs_torch_best"]
+                vs_torch = f"{b['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in b['per_repetition'])}) ({z['torch_best_zero_bubble']})" if b else "n/a"
+                peaks = ", ".join(f"{x:.1f}" for x in z[f"{name}_peak_act_mib"])
+                ref = ", ".join(f"{x:.1f}" for x in z["1f1b_peak_act_mib"])
+                lines.append(
+                    f"| {z['m']} | {name} | {a['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in a['per_repetition'])}) | {vs_torch} | "
+                    f"{z[f'{name}_bubble_over_1f1b']:.2f} ({z[f'{name}_replay_bubble_over_1f1b']:.2f}) | {peaks} vs {ref} |"
+                )
+    lines += ["", "Why the 1F1B bubble exceeds theory at larger m on this machine: " + _NOTE_1F1B]
     path.write_text("\n".join(lines) + "\n")
+
+
+_NOTE_1F1B = " ".join(__doc__.split("[Note: the 1F1B bubble at m = 8]")[1].split())
+
+ZERO_BUBBLE_VARIANTS = ["zlightning:1f1b", "zlightning:zb_h1", "zlightning:zbv", "torch:1f1b", "torch:interleaved_zb", "torch:zbv", "torch:dualpipev"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--micro", type=int, nargs="+", default=None, help="micro-batch counts (default 2 4 8; 4 8 16 with --zero-bubble)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -250,13 +422,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3, help="runs of every variant, interleaved; medians reported")
+    ap.add_argument("--zero-bubble", action="store_true", help=f"variants {' '.join(ZERO_BUBBLE_VARIANTS)}")
     ap.add_argument(
-        "--variants", nargs="+",
-        default=["zlightning:1f1b", "torch:1f1b", "zlightning:gpipe", "torch:gpipe", "zlightning:interleaved_1f1b"],
+        "--variants", nargs="+", default=None,
+        help="impl:schedule; zlightning:{1f1b,gpipe,interleaved_1f1b,zb_h1,zbv}, torch:{1f1b,gpipe,interleaved_zb,zbv,dualpipev}",
     )
     ap.add_argument("--out", default="pipeline")
     args = ap.parse_args()
-    rows = run_distributed(worker, args.ranks, args, timeout=1800, threads=args.threads)[0]
+    if args.variants is None:
+        args.variants = ZERO_BUBBLE_VARIANTS if args.zero_bubble else [
+            "zlightning:1f1b", "torch:1f1b", "zlightning:gpipe", "torch:gpipe", "zlightning:interleaved_1f1b"]
+    if args.micro is None:
+        args.micro = [4, 8, 16] if args.zero_bubble else [2, 4, 8]
+    rows = run_distributed(worker, args.ranks, args, timeout=3600, threads=args.threads)[0]
     result = summarise(rows, args)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))

@@ -17,7 +17,20 @@ import pytest
 import torch
 
 from examples.gpt_pipe import gpt_pipeline
-from tests.test_pipe_parity import ACCUM, CFG, CLIP, MICRO, TOL, _check_states, _fit, data, lightning_global_batches, make_optimizer, reference, reference_on
+from tests.test_pipe_parity import (
+    ACCUM,
+    CFG,
+    CLIP,
+    MICRO,
+    TOL,
+    _check_states,
+    _fit,
+    data,
+    lightning_global_batches,
+    make_optimizer,
+    reference,
+    reference_on,
+)
 from zlightning.pipe import PipelineConfig, PipelineEngine, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.testing import run_distributed
 from zlightning.zero._param_group import ZeroParamGroup

@@ -1,6 +1,7 @@
 """Pipeline parallelism (Lightning-free): ``PipelineModule`` + ``LayerSpec``/``TiedLayerSpec`` describe the model,
 ``PipelineEngine`` runs it over a PP x DP (x TP: ``PipelineConfig(tensor_parallel_size=...)``) grid with a simulated
-schedule (``train_batch``/``eval_batch``)."""
+schedule (``train_batch``/``eval_batch``): GPipe, 1F1B, interleaved 1F1B, or the zero-bubble ``zb_h1``/``zbv``, with
+ZeRO-1, or ZeRO-2/3 inside the stages (``PipelineConfig(zero_stage=3)``)."""
 
 from zlightning.pipe._checkpoint import consolidate_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.pipe._engine import PipelineConfig, PipelineEngine

@@ -9,6 +9,9 @@ computes ``dX`` but not ``dW``. The nodes where the weight side branches off the
 input path, with an edge to a node that reaches a parameter but no input) get a pre-hook that records the gradient
 arriving at them, and the graph is kept (``retain_graph``).
 
+A split node whose weight edges lead straight to parameters (a layer norm's weight and bias) computes them in the
+same kernel as its input gradient, so ``B`` accumulates those at once instead of deferring them.
+
 ``W`` then finishes the weight side from those records in two phases. Phase 1 re-enters each split node with its
 recorded gradient and asks autograd only for the gradients along its weight-side edges (``GradientEdge`` inputs):
 autograd executes the split node alone, computing just its weight outputs (``dW``, not ``dX`` again), and stops at
@@ -138,12 +141,17 @@ def backward_input(
     if _shared_across_depths(splits, graph):
         torch.autograd.backward(list(outputs), list(grads))
         return None
+    # A split node whose weight edges end right at parameters (a norm's weight and bias) computes them in the same
+    # kernel as its input gradient: B takes those too, and W has one autograd call less per such node.
+    direct = [n for n, edges in splits.items() if all(not c.next_functions for c, _ in edges)]
+    leaves = [c.variable for n in direct for c, _ in splits.pop(n)]  # type: ignore[attr-defined]  # AccumulateGrad
     recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     handles = [n.register_prehook(lambda g, n=n: recorded.__setitem__(n, g)) for n in splits]
     try:
         wanted = [(t, g) for t, g, e in zip(outputs, grads, root_edges) if e.node in graph.to_input]
         if wanted:
-            torch.autograd.backward([t for t, _ in wanted], [g for _, g in wanted], inputs=list(inputs), retain_graph=True)
+            targets = list(inputs) + leaves
+            torch.autograd.backward([t for t, _ in wanted], [g for _, g in wanted], inputs=targets, retain_graph=True)
     finally:
         for h in handles:
             h.remove()

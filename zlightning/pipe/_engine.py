@@ -260,9 +260,11 @@ class PipelineEngine:
         """ZeRO-2/3 engines of this rank's stage(s); see [Note: ZeRO inside a pipeline stage]."""
         self._sync_replicas()
         if config.zero_stage >= 2:
-            self.zero = StageSharding(module, config.zero_stage, self.groups.data, self.device)
+            self.zero = StageSharding(module, 3 if config.zero_stage == 3 else 2, self.groups.data, self.device)
             module.layer_context = self.zero.forward_pass
-        self.optimizer = optimizer(module.parameters()) if is_factory else optimizer
+        self.optimizer: torch.optim.Optimizer | None = (
+            optimizer(module.parameters()) if is_factory else optimizer  # type: ignore[operator,assignment,misc]
+        )
         if isinstance(self.optimizer, torch.optim.Optimizer):
             _check_optimizer_params(self.optimizer, module)
         params = [p for p in module.parameters() if p.requires_grad]

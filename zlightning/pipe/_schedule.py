@@ -467,17 +467,18 @@ def add_send_recv(schedule: Schedule) -> Schedule:
                 out.append(Action(a.stage, ActionKind.SEND_F if fwd else ActionKind.SEND_B, a.microbatch))
         sends.append(out)
     channel: dict[tuple[int, int], list[Action]] = {}  # (src rank, dst rank) -> the receives, in send order
-    for q, prog in enumerate(sends):
-        for a in prog:
+    for q, sent in enumerate(sends):
+        for a in sent:
             if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
                 fwd = a.kind is ActionKind.SEND_F
                 consumer = a.stage + 1 if fwd else a.stage - 1
                 recv = Action(consumer, ActionKind.RECV_F if fwd else ActionKind.RECV_B, a.microbatch)
                 channel.setdefault((q, rank_of(consumer)), []).append(recv)
     programs = []
-    for r, prog in enumerate(sends):
-        out, taken = [], {key: 0 for key in channel if key[1] == r}
-        for a in prog:
+    for r, sent in enumerate(sends):
+        lowered: list[Action] = []
+        taken = {key: 0 for key in channel if key[1] == r}
+        for a in sent:
             src = _transfer_source(a, S) if a.kind in _COMPUTE else None
             if src is not None and rank_of(src) != r:
                 queue = channel.get((rank_of(src), r), [])
@@ -488,10 +489,10 @@ def add_send_recv(schedule: Schedule) -> Schedule:
                 else:
                     key = (rank_of(src), r)
                     upto = queue.index(want, taken[key])
-                    out += queue[taken[key] : upto + 1]
+                    lowered += queue[taken[key] : upto + 1]
                     taken[key] = upto + 1
-            out.append(a)
-        programs.append(tuple(out))
+            lowered.append(a)
+        programs.append(tuple(lowered))
     return Schedule(
         schedule.name, schedule.num_ranks, S, schedule.num_microbatches, tuple(programs), lowered=True,
         placement=schedule.placement,

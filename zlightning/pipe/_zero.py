@@ -36,14 +36,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zlightning.pipe._module import PipelineModule
-from zlightning.zero import ZeroConfig, ZeroState, full_optim_state_dict, full_state_dict, load_full_state_dict, zero3_shard
+from zlightning.zero import (
+    ZeroConfig,
+    ZeroState,
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_state_dict,
+    zero3_shard,
+)
 from zlightning.zero import memory_report as zero_memory_report
 
 __all__ = ["StageSharding"]
@@ -65,7 +72,9 @@ class _LocalLayers(nn.Module):
 class StageSharding:
     """The ZeRO engines of one rank's stage(s); see [Note: ZeRO inside a pipeline stage]."""
 
-    def __init__(self, module: PipelineModule, stage: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self, module: PipelineModule, stage: Literal[2, 3], group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
         if group is None:
             raise RuntimeError("zero_stage 2/3 in a pipeline needs torch.distributed initialised (the data-parallel group)")
         self.stage = stage
