@@ -125,6 +125,9 @@ def main() -> int:
     }
     (args.out_dir / "memory.json").write_text(json.dumps(record, indent=2, default=str))
     (args.out_dir / "memory.md").write_text(table + "\n")
+    from _plots import write_png  # matplotlib is optional: without it, one line says no chart was drawn
+
+    write_png("memory", record, args.out_dir / "memory.png")
     return 0
 
 

@@ -388,6 +388,9 @@ def main() -> None:
     (BENCH_DIR / "results" / f"{stem}.json").write_text(json.dumps(report, indent=1))
     md = _markdown(report)
     (BENCH_DIR / "results" / f"{stem}.md").write_text(md)
+    from _plots import write_png  # matplotlib is optional: without it, one line says no chart was drawn
+
+    write_png("offload", report, BENCH_DIR / "results" / f"{stem}.png")
     print(md)
 
 

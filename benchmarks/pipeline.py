@@ -439,6 +439,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     write_markdown(result, RESULTS / f"{args.out}.md")
+    from _plots import write_png  # timelines per rank with the bubble shaded; skipped without matplotlib
+
+    write_png("pipeline", result, RESULTS / f"{args.out}.png")
     print((RESULTS / f"{args.out}.md").read_text())
 
 

@@ -318,6 +318,9 @@ def main() -> int:
               f"Full fp32 model state (params + grads + 2 AdamW moments): {full['model_state_bytes'] / MB:.1f} MB "
               f"({full['params']:,} parameters). MB = 10^6 bytes.\n\n")
     (args.out_dir / f"{args.stem}.md").write_text(header + table)
+    from _plots import write_png  # matplotlib is optional: without it, one line says no chart was drawn
+
+    write_png("zero3", report, args.out_dir / f"{args.stem}.png")
     print()
     print(table, end="")
     return 0 if any(o.status == "ok" for o in outcomes) else 1
