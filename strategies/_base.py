@@ -19,13 +19,13 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from zlightning.strategies._launch import RankLauncher, SpawnRankLauncher, install_failure_report, install_sigterm_handler
 
 __all__ = ["LaunchedParallelStrategy"]
 
@@ -121,10 +121,11 @@ class LaunchedParallelStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         if self.cluster_environment is None:
             raise AssertionError("cluster_environment must be set before the launcher")
+        # See [Note: SIGTERM ends every rank] and [Note: one concise error per failed run] in _launch.py.
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = RankLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = SpawnRankLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -139,6 +140,23 @@ class LaunchedParallelStrategy(ParallelStrategy):
         if self.cluster_environment is None:
             raise AssertionError("cluster_environment must be set before setup_environment")
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        install_sigterm_handler()  # ranks started by spawn, or by another tool (torchrun, SLURM)
+        install_failure_report(self.global_rank, self.world_size)  # after init_process_group's own excepthook
+        self._warn_slow_cpu_precision()
+
+    def _warn_slow_cpu_precision(self) -> None:
+        """bf16/fp16 on a CPU without native support runs emulated: warn before the first (very slow) step."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if self.root_device.type != "cpu" or not precision.startswith(("bf16", "16")):
+            return
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        if precision.startswith("bf16") and native:
+            return
+        rank_zero_warn(
+            f"Trainer(precision={precision!r}) on a CPU without native {precision.split('-')[0]} arithmetic (no "
+            "AVX512-BF16/AMX): every step is emulated and several times slower than fp32 (a bf16 step measured 8x an "
+            "fp32 step on an AVX2 machine). Use precision='32-true' on this CPU; keep bf16 for GPUs and recent CPUs."
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

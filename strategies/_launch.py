@@ -1,0 +1,317 @@
+"""How the zlightning strategies start their ranks, end them on SIGTERM, and report a failed rank.
+
+[Note: SIGTERM ends every rank]
+``timeout``, a batch scheduler or a user's ``kill`` sends SIGTERM to the process that launched the run (rank 0 under
+``popen``, the parent under ``spawn``), sometimes to every rank at once. Lightning's own handler answers it with a
+``torch.distributed.broadcast`` issued from inside the signal handler; a rank interrupted between two other
+collectives then waits for a peer that is somewhere else, and every rank hangs until SIGKILL. Here the handler does
+not talk to the peers at all:
+
+1. the launching process sends SIGTERM to each rank it started;
+2. every rank aborts its process groups, so a peer blocked in a collective with it fails at once ("connection closed")
+   instead of waiting for the group timeout, and then handles its own SIGTERM;
+3. the launching process waits at most `TERMINATE_GRACE_S` seconds for its ranks, SIGKILLs the rest and reaps them;
+4. every rank raises ``SystemExit(143)`` (128 + SIGTERM, what a shell reports for "terminated"): Lightning's exception
+   path runs ``on_exception`` and the strategy's teardown (which removes NVMe swap files and starts no collective).
+
+The handler is installed where nothing else handles SIGTERM yet (the default disposition); a handler the user or
+another library installed first is left alone. During ``trainer.fit/validate/test/predict`` Lightning puts its handler
+in front; it calls the launcher's ``kill(SIGTERM)`` before its broadcast, and `kill` is where the steps above run, so
+the broadcast is never reached. Nothing is saved on the way out: a checkpoint on SIGTERM (preemption) would go in
+`end_run` before step 2, while the process groups still work.
+
+[Note: one concise error per failed run]
+When one rank raises, its peers fail a moment later with "connection closed by peer", and each process printed its
+full traceback (several screens for two ranks). After the process group is set up, each rank's uncaught exception is
+written in full to ``<error dir>/rank<r>.log`` and one short summary is printed by the first rank that failed for a
+reason of its own: the exception type and message, where it was raised, the rank, and the folder of the logs. A rank
+whose error only says that a peer went away waits a moment before claiming the report, so the rank with the cause
+wins. The error folder is chosen by the launching process (``ZLIGHTNING_ERROR_DIR``, default under the system temp
+directory) so every rank of a run writes to the same place. ``ZLIGHTNING_FULL_TRACEBACK=1`` prints the full
+traceback of the reporting rank as well. A one-process run keeps Python's usual traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, NoReturn
+
+import torch.distributed
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from typing_extensions import override
+
+__all__ = [
+    "ERROR_DIR_ENV",
+    "TERMINATED_EXIT_CODE",
+    "TERMINATE_GRACE_S",
+    "RankFailedError",
+    "RankLauncher",
+    "SpawnRankLauncher",
+    "end_run",
+    "install_failure_report",
+    "install_sigterm_handler",
+]
+
+TERMINATE_GRACE_S = 10.0
+"""Seconds the launching process waits for its ranks after SIGTERM before it SIGKILLs them."""
+TERMINATED_EXIT_CODE = 128 + int(signal.SIGTERM)
+"""Exit status of a rank ended by SIGTERM (143, as a shell reports a process killed by SIGTERM)."""
+ERROR_DIR_ENV = "ZLIGHTNING_ERROR_DIR"
+"""Environment variable naming the folder where each rank writes its traceback (set by the launching process)."""
+_FULL_TRACEBACK_ENV = "ZLIGHTNING_FULL_TRACEBACK"
+_SECONDARY_WAIT_S = 3.0
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
+              "connection closed", "Connection refused")
+
+_children: Callable[[], Sequence[Any]] = list
+"""The processes this process launched (Popen or multiprocessing.Process), read when a signal arrives."""
+_ending = False
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a ``spawn``-launched run failed; the message is its summary, the traceback is in the error folder."""
+
+
+# ==================================================================== SIGTERM: see [Note: SIGTERM ends every rank]
+def install_sigterm_handler(children: Callable[[], Sequence[Any]] | None = None) -> None:
+    """Ends the whole run on SIGTERM (see [Note: SIGTERM ends every rank]).
+
+    Args:
+        children: returns the rank processes this process started (only the launching process passes it).
+    """
+    global _children
+    if children is not None:
+        _children = children
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    end_run(signum)
+
+
+def end_run(signum: int = int(signal.SIGTERM)) -> NoReturn:
+    """Ends this rank and the ranks it launched, within `TERMINATE_GRACE_S` seconds, then raises ``SystemExit(143)``.
+
+    Raises:
+        SystemExit: always (exit status `TERMINATED_EXIT_CODE`).
+    """
+    global _ending
+    if _ending:  # a second signal while ending: leave at once
+        raise SystemExit(TERMINATED_EXIT_CODE)
+    _ending = True
+    children = [p for p in _children() if _alive(p)]
+    if children:
+        name = signal.Signals(signum).name
+        print(f"zlightning: {name} received: ending this run's {len(children) + 1} processes "
+              f"(at most {TERMINATE_GRACE_S:.0f} s)", file=sys.stderr, flush=True)
+    _stop_child_observers()
+    for p in children:
+        _signal(p, signal.SIGTERM)
+    _abort_process_groups()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in children:
+        _wait(p, max(0.0, deadline - time.monotonic()))
+        if _alive(p):
+            _signal(p, signal.SIGKILL)
+            _wait(p, 5.0)
+    raise SystemExit(TERMINATED_EXIT_CODE)
+
+
+def _stop_child_observers() -> None:
+    """Stops Lightning's child-process observer thread, which SIGKILLs the launching process as soon as a rank
+    exits with a non-zero status: here ranks exit with 143 on purpose while this process waits for them."""
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._child_processes = []  # its next check then finds nothing to watch and ends
+
+
+def _alive(p: Any) -> bool:
+    if hasattr(p, "poll"):  # subprocess.Popen
+        return p.poll() is None
+    return bool(p.is_alive())
+
+
+def _signal(p: Any, signum: int) -> None:
+    try:
+        os.kill(p.pid, signum)
+    except (ProcessLookupError, TypeError):
+        pass
+
+
+def _wait(p: Any, timeout: float) -> None:
+    try:
+        if hasattr(p, "poll"):
+            p.wait(timeout=timeout)
+        else:
+            p.join(timeout=timeout)
+    except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired; the caller checks liveness
+        pass
+
+
+def _abort_process_groups() -> None:
+    """Aborts every process group of this rank, so peers blocked in a collective with it fail at once."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    try:
+        torch.distributed.distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001 - best effort: the peers then fail on this process's exit instead
+        pass
+
+
+class RankLauncher(_SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher (the script re-run once per extra rank) whose SIGTERM ends every rank, and
+    which gives every rank the same error folder. See [Note: SIGTERM ends every rank]."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())  # before the children copy the environment
+        install_sigterm_handler(lambda: self.procs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        if signum == signal.SIGTERM:
+            end_run(int(signum))  # called from Lightning's SIGTERM handler: never returns
+        super().kill(signum)
+
+
+class SpawnRankLauncher(_MultiProcessingLauncher):
+    """Lightning's ``spawn``/``fork``/``forkserver`` launcher with the same SIGTERM handling and short rank errors."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())
+        install_sigterm_handler(lambda: self.procs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        if signum == signal.SIGTERM:
+            end_run(int(signum))
+        super().kill(signum)
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(process_idx, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - reported once, briefly; the traceback goes to the rank's log
+            rank, world = self._strategy.global_rank, self._strategy.world_size
+            summary = _report(err, rank, world, print_summary=False)
+            raise RankFailedError(summary) from None
+
+
+# ==================================================================== errors: see [Note: one concise error per failed run]
+def install_failure_report(rank: int, world_size: int) -> None:
+    """Replaces ``sys.excepthook`` in a rank of a multi-process run (after ``init_process_group``, whose own hook
+    prefixes every traceback line with the rank). See [Note: one concise error per failed run]."""
+    if world_size <= 1 or getattr(sys.excepthook, "_zlightning_rank", None) == rank:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            previous(kind, err, tb)
+            return
+        try:
+            _report(err, rank, world_size, print_summary=True)
+        except Exception:  # noqa: BLE001 - never lose the error itself
+            previous(kind, err, tb)
+
+    hook._zlightning_rank = rank  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _new_error_dir() -> str:
+    base = Path(tempfile.gettempdir()) / f"zlightning-{os.getuid()}"
+    return str(base / f"errors-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+
+
+def _error_dir() -> Path:
+    found = os.environ.get(ERROR_DIR_ENV)
+    if found:
+        return Path(found)
+    port = os.environ.get("MASTER_PORT", "0")  # launched by another tool (torchrun, SLURM): one folder per port
+    return Path(tempfile.gettempdir()) / f"zlightning-{os.getuid()}" / f"errors-port{port}"
+
+
+def _rank() -> int:
+    for name in ("RANK", "GLOBAL_RANK", "LOCAL_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _report(err: BaseException, rank: int, world_size: int, print_summary: bool) -> str:
+    """Writes ``err``'s traceback to this rank's log and prints the summary if this rank is the first to fail for a
+    reason of its own. Returns the summary."""
+    folder = _error_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log = folder / f"rank{rank}.log"
+    full = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    log.write_text(full)
+    summary = summarize(err, rank, world_size, folder)
+    if not print_summary:
+        return summary
+    if _is_secondary(err):
+        time.sleep(_SECONDARY_WAIT_S)  # let the rank with the cause claim the report first
+    try:
+        fd = os.open(folder / "reported", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return summary  # another rank printed the run's error
+    os.write(fd, str(rank).encode())
+    os.close(fd)
+    if os.environ.get(_FULL_TRACEBACK_ENV) == "1":
+        print(full, file=sys.stderr, end="")
+    print(summary, file=sys.stderr, flush=True)
+    return summary
+
+
+def _is_secondary(err: BaseException) -> bool:
+    text = f"{err}"
+    return any(marker in text for marker in _SECONDARY)
+
+
+def summarize(err: BaseException, rank: int, world_size: int, folder: Path | None = None, max_chars: int = 900) -> str:
+    """A few lines about ``err``: the rank, the exception and its message, the root cause when another exception
+    led to it, where it was raised, and the folder of the full tracebacks."""
+    message = " ".join(str(err).split()) or "(no message)"
+    if len(message) > max_chars:
+        message = message[: max_chars - 3] + "..."
+    lines = [f"zlightning: rank {rank} of {world_size} failed: {type(err).__name__}: {message}"]
+    root, seen = err, {id(err)}
+    while (root.__cause__ or root.__context__) is not None and id(root.__cause__ or root.__context__) not in seen:
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        seen.add(id(root))
+    if root is not err and str(root) and str(root) not in str(err):
+        lines.append(f"  caused by {type(root).__name__}: {' '.join(str(root).split())[:300]}")
+    frames = traceback.extract_tb(err.__traceback__)
+    if frames:
+        last = frames[-1]
+        lines.append(f"  raised at {_short_path(last.filename)}:{last.lineno} in {last.name}")
+    if folder is not None:
+        lines.append(f"  full traceback of each failed rank: {folder}/rank<r>.log "
+                     f"(or set {_FULL_TRACEBACK_ENV}=1 to print it)")
+    return "\n".join(lines)
+
+
+def _short_path(filename: str) -> str:
+    marker = f"{os.sep}site-packages{os.sep}"
+    if marker in filename:
+        return filename.split(marker, 1)[1]
+    try:
+        return os.path.relpath(filename)
+    except ValueError:
+        return filename
