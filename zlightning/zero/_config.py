@@ -6,6 +6,7 @@ DeepSpeed user finds them; values are validated here, before any process group e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,7 +14,7 @@ import torch
 
 from zlightning.zero._offload_config import CPUOffload, NVMeOffload
 
-__all__ = ["CheckpointPolicy", "DTypeName", "MixedPrecisionPolicy", "ZeroConfig", "dtype_from_name"]
+__all__ = ["Bytes", "CheckpointPolicy", "DTypeName", "Elements", "MixedPrecisionPolicy", "ZeroConfig", "dtype_from_name"]
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
 
@@ -27,6 +28,71 @@ def dtype_from_name(name: DTypeName | None) -> torch.dtype | None:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype name {name!r}: use one of {sorted(_DTYPES)}")
     return _DTYPES[name]
+
+
+_DECIMAL = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+_COUNT = re.compile(r"(?P<number>[0-9]*\.?[0-9]+(?:E[+-]?[0-9]+)?)\s*(?P<unit>[KMGT]I?)?(?P<bytes>B)?")
+
+
+def _parse_count(value: object, what: str, allow_bytes: bool) -> int:
+    """``value`` as a non-negative int: an int, an integral float (``5e7``), or a string ``"5e7"``, ``"50M"``
+    (decimal K/M/G/T), ``"64Mi"`` (binary Ki/Mi/Gi/Ti), with a trailing ``B`` where ``allow_bytes``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{what}: expected a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{what}: {value!r} is not a whole number")
+        return int(value)
+    match = _COUNT.fullmatch(value.strip().replace("_", "").upper())
+    if match is not None and match["bytes"] and not allow_bytes:
+        raise ValueError(
+            f"{what}: {value!r} is a byte size, but this counts tensor elements: write e.g. '50M' (50 million "
+            "elements; 200 MB of fp32 values are 50M elements)"
+        )
+    amount = float(match["number"]) * (_BINARY.get(match["unit"] or "") or _DECIMAL[match["unit"] or ""]) if match else None
+    if amount is None or not amount.is_integer():
+        suffixes = "K/M/G/T (x1000) or Ki/Mi/Gi/Ti (x1024)" + (", optionally followed by B" if allow_bytes else "")
+        raise ValueError(f"{what}: cannot read {value!r} as a whole number; write e.g. 50000000, 5e7 or 50M ({suffixes})")
+    return int(amount)
+
+
+class Elements(int):
+    """A count of tensor elements. Accepts an int, an integral float (``5e7``) or a string such as ``"5e7"``,
+    ``"50M"`` (decimal K/M/G/T) or ``"64Mi"`` (binary Ki/Mi/Gi/Ti); a byte size (``"200MB"``) is refused."""
+
+    def __new__(cls, value: object) -> Elements:
+        return super().__new__(cls, _parse_count(value, "element count", allow_bytes=False))
+
+
+class Bytes(int):
+    """A size in bytes. Accepts what `Elements` accepts plus a trailing ``B`` (``"200MB"``, ``"1MiB"``)."""
+
+    def __new__(cls, value: object) -> Bytes:
+        return super().__new__(cls, _parse_count(value, "byte size", allow_bytes=True))
+
+
+def _register_with_jsonargparse() -> None:
+    """Lets jsonargparse (LightningCLI, YAML configs) read `Elements`/`Bytes` from ``5e7``/``"50M"`` strings."""
+    try:
+        from jsonargparse.typing import register_type
+    except ImportError:  # no jsonargparse: only the command line needs it
+        return
+    for size_type in (Elements, Bytes):
+        try:
+            register_type(size_type, serializer=int, deserializer=size_type)
+        except ValueError:  # registered already
+            pass
+
+
+_register_with_jsonargparse()
+
+_ELEMENT_KNOBS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+                  "max_live_parameters", "reduce_bucket_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +115,9 @@ class MixedPrecisionPolicy:
 class ZeroConfig:
     """Knobs of the ZeRO-3 engine (DeepSpeed's stage-3 meanings, our defaults).
 
+    Sizes in elements (and ``host_mmap_threshold`` in bytes) take an int, an integral float or a string: ``5e7``,
+    ``"50M"`` (decimal K/M/G/T), ``"64Mi"`` (binary); ``host_mmap_threshold`` also ``"1MiB"``.
+
     Sharding is by *unit*: a module subtree (by default each repeated block, e.g. a transformer layer) whose
     parameters are gathered with one collective; what no unit claims belongs to the root unit.
     """
@@ -59,25 +128,25 @@ class ZeroConfig:
     locally across accumulation micro-batches, then reduce-scattered once per optimizer step (less communication,
     more memory)."""
 
-    prefetch_bucket_size: int | None = None
+    prefetch_bucket_size: Elements | None = None
     """Elements (DeepSpeed ``stage3_prefetch_bucket_size``): how many parameter elements of upcoming units may be
     gathered ahead of use. 0 disables prefetch. None (default): the largest unit's size, so one unit is gathered
     ahead of the one computing (see [Note: step budgets from units] in ``_state.py``)."""
 
-    param_persistence_threshold: int = 100_000
+    param_persistence_threshold: Elements = Elements(100_000)
     """Elements (``stage3_param_persistence_threshold``): parameters with at most this many elements stay gathered
     between uses (re-gathered once after each optimizer step) instead of being gathered per unit."""
 
-    model_persistence_threshold: int | None = None
+    model_persistence_threshold: Elements | None = None
     """Elements (``stage3_model_persistence_threshold``): cap on the total size of persistent parameters, filled
     smallest first. None: 1% of the model, so persistent copies stay within the ZeRO-3 memory budget on small models
     where every parameter is under ``param_persistence_threshold``."""
 
-    max_live_parameters: int = 1_000_000_000
+    max_live_parameters: Elements = Elements(1_000_000_000)
     """Elements (``stage3_max_live_parameters``): prefetch stops when gathered non-persistent elements would exceed
     this. It bounds prefetch, not the parameters a running unit needs."""
 
-    reduce_bucket_size: int | None = None
+    reduce_bucket_size: Elements | None = None
     """Elements (``reduce_bucket_size``): bound on gradient elements in flight in asynchronous reduce-scatters; past
     it the oldest is waited for and accumulated. None (default): the largest unit's size (the reduction of one unit
     overlaps the backward of the next)."""
@@ -105,7 +174,7 @@ class ZeroConfig:
     peak instead of growing with fragmentation (see [Note: host memory of a sharded step] in ``_host_memory.py``).
     Needs the native kernels (``make install``); without them a warning says so and glibc serves everything."""
 
-    host_mmap_threshold: int | None = None
+    host_mmap_threshold: Bytes | None = None
     """Bytes, e.g. ``1 << 20``: fix glibc's mmap threshold at this size (every large block is mapped and returned to
     the OS on free). Only for runs without the native kernels (``host_cache`` unavailable): it bounds resident memory
     at a step-time cost (each large block is page-faulted afresh). None (default): leave glibc alone."""
@@ -121,6 +190,11 @@ class ZeroConfig:
     """ZeRO-Infinity: keep parameter shards in swap files between uses (prefetched ahead of each gather)."""
 
     def __post_init__(self) -> None:
+        for name in (*_ELEMENT_KNOBS, "host_mmap_threshold"):  # "5e7", 5e7, "50M", "1MiB" -> int
+            value = getattr(self, name)
+            if isinstance(value, (str, float)):
+                count = _parse_count(value, f"ZeroConfig.{name}", allow_bytes=name == "host_mmap_threshold")
+                object.__setattr__(self, name, count)
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"ZeroConfig.stage must be 1, 2 or 3, got {self.stage!r}")
         value = self.param_persistence_threshold
