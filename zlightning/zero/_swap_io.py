@@ -31,6 +31,7 @@ import atexit
 import ctypes
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -48,6 +49,8 @@ from typing import Any, Protocol
 import torch
 
 from zlightning.zero._offload_config import IO_ALIGNMENT, NVMeOffload
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SwapCorruptionError",
@@ -123,8 +126,15 @@ def check_swap_path(policy: NVMeOffload, needed_bytes: int) -> tuple[Path, bool]
             "NVMeOffload(path='/local/nvme/dir') to put swap files on a fast local drive.",
             stacklevel=3,
         )
+    elif not root.exists() and not root.parent.is_dir():
+        # See [Note: the swap path must exist].
+        raise SwapPathError(
+            f"NVMe offload path {root} does not exist, and neither does its parent folder {root.parent}: a mistyped "
+            "path or an unmounted drive would put the swap files on another disk. Mount the drive or fix "
+            f"NVMeOffload(path=...); if the path is right, create it first (mkdir -p {root})."
+        )
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(exist_ok=True)
         probe = root / f".write-probe-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"\0" * IO_ALIGNMENT)
         probe.unlink()
@@ -150,6 +160,9 @@ def check_swap_path(policy: NVMeOffload, needed_bytes: int) -> tuple[Path, bool]
                 stacklevel=3,
             )
     free = shutil.disk_usage(root).free
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine
+        log.info("NVMe offload: swap files go to %s, on %s; %.1f GiB free, %.2f GiB needed%s", root,
+                 describe_filesystem(root), free / 2**30, needed_bytes / 2**30, "" if direct else " (buffered I/O)")
     if needed_bytes > free:
         raise SwapSpaceError(
             f"NVMe offload needs {needed_bytes:,} bytes ({needed_bytes / 2**30:.2f} GiB) of swap files under {root} "
@@ -157,6 +170,37 @@ def check_swap_path(policy: NVMeOffload, needed_bytes: int) -> tuple[Path, bool]
             "NVMeOffload(path=...), or offload less (offload_params=None)."
         )
     return root, direct
+
+
+def describe_filesystem(path: Path) -> str:
+    """``"ext4 /dev/nvme0n1p1 mounted at /local"``: the file system holding ``path`` (Linux ``/proc/self/mountinfo``;
+    ``"an unknown file system"`` elsewhere).
+
+    [Note: the swap path must exist]
+    A path such as ``/local/nvme/swap`` names a drive by its mount point. Had the drive not been mounted (or the path
+    been mistyped), creating the path with all its parents would put the swap files on whatever disk holds ``/``,
+    which may be slow or small, silently. So only the last folder of the path is created, the run refuses a path
+    whose parent does not exist, and the file system, device and free space the swap files go to are logged.
+    """
+    real = str(path.resolve())
+    best: tuple[str, str, str] | None = None
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return "an unknown file system"
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 2:
+            continue
+        mount = fields[4].encode().decode("unicode_escape")  # \040 for spaces
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) > len(best[0])):
+            best = (mount, tail[0], tail[1])
+    if best is None:
+        return "an unknown file system"
+    mount, fstype, device = best
+    return f"{fstype} {device} mounted at {mount}"
 
 
 # ==================================================================== swap folders
