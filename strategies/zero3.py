@@ -48,6 +48,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -101,9 +102,10 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
     Args:
         zero: engine knobs (prefetch, persistence, buckets, overlap, units). See ``ZeroConfig``.
         checkpoint: sharded (default) or full checkpoints. See ``CheckpointPolicy``.
-        config: a DeepSpeed config (dict or JSON path) instead of ``zero``/``checkpoint``: its ZeRO keys are mapped,
-            its precision, clipping and batch-size keys are checked against the Trainer, and unsupported keys are
-            all reported in one error.
+        config: a DeepSpeed config (dict or JSON path): its ZeRO keys are mapped, its precision, clipping and
+            batch-size keys are checked against the Trainer, and unsupported keys are all reported in one error.
+            Given together with ``zero``/``checkpoint`` (e.g. ``--trainer.strategy.config=ds.json`` on top of a
+            YAML's ``zero:`` knobs), the config's settings win and the other knobs are kept; one line lists both.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
         process_group_backend: ``"gloo"``/``"nccl"``; default: gloo on CPU, nccl on CUDA.
         timeout: collective timeout (a hung rank fails after this instead of blocking forever).
@@ -179,10 +181,8 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             raise TypeError(f"ZStackZero3Strategy(checkpoint=...) expects a CheckpointPolicy, got {type(checkpoint).__name__}")
         self.deepspeed: DeepSpeedSettings | None = None
         if config is not None:
-            if zero != ZeroConfig() or checkpoint != CheckpointPolicy():
-                raise ValueError("ZStackZero3Strategy: give either config= (DeepSpeed) or zero=/checkpoint=, not both")
             self.deepspeed = from_deepspeed_config(config)
-            zero, checkpoint = self.deepspeed.zero, self.deepspeed.checkpoint
+            zero, checkpoint = _merge_deepspeed(zero, checkpoint, self.deepspeed, config)
         if offload_optimizer is not None or offload_params is not None:  # ZeroConfig validates the policies
             zero = dataclasses.replace(
                 zero,
@@ -586,6 +586,33 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         strategy_registry.register(
             "zstack_zero1", cls, description="ZeRO stage 1: optimizer state sharded", zero=ZeroConfig(stage=1)
         )
+
+
+def _merge_deepspeed(
+    zero: ZeroConfig, checkpoint: CheckpointPolicy, ds: DeepSpeedSettings, source: str | dict[str, Any]
+) -> tuple[ZeroConfig, CheckpointPolicy]:
+    """``zero``/``checkpoint`` with the DeepSpeed config's settings applied on top (a setting counts as given by the
+    config when it differs from zlightning's default), and one line naming what came from where."""
+    default = ZeroConfig()
+    from_config = {f.name: getattr(ds.zero, f.name) for f in dataclasses.fields(ZeroConfig)
+                   if getattr(ds.zero, f.name) != getattr(default, f.name)}
+    kept = [f.name for f in dataclasses.fields(ZeroConfig)
+            if getattr(zero, f.name) != getattr(default, f.name) and f.name not in from_config]
+    replaced = [f.name for f in dataclasses.fields(ZeroConfig)
+                if f.name in from_config and getattr(zero, f.name) != getattr(default, f.name)
+                and getattr(zero, f.name) != from_config[f.name]]
+    if ds.checkpoint != CheckpointPolicy():
+        checkpoint = ds.checkpoint
+    if not kept and not replaced:
+        return ds.zero if zero == default else dataclasses.replace(zero, **from_config), checkpoint
+    name = source if isinstance(source, str) else "the DeepSpeed config"
+    parts = [f"{name} sets {', '.join(f'zero.{k}' for k in from_config) or 'no ZeRO knob'}"]
+    if kept:
+        parts.append(f"kept from zero=: {', '.join(f'zero.{k}' for k in kept)}")
+    if replaced:
+        parts.append(f"the config's value replaced zero=: {', '.join(f'zero.{k}' for k in replaced)}")
+    rank_zero_info("ZStackZero3Strategy: " + "; ".join(parts))
+    return dataclasses.replace(zero, **from_config), checkpoint
 
 
 class ZeroMemoryMonitor(Callback):
