@@ -105,7 +105,7 @@ def test_print_config_resolves_strategy_class_and_knobs(capsys: pytest.CaptureFi
     assert zero["unit_modules"] == ["Block"]
     assert zero["prefetch_bucket_size"] == 2_000_000
     assert zero["reduce_bucket_size"] == ZeroConfig().reduce_bucket_size  # unset knobs keep ZeroConfig's defaults
-    assert config["model"]["class_path"] == "examples.gpt.GPTLightningModule"
+    assert config["model"]["class_path"] == "zlightning.models.GPTLightningModule"
     assert config["model"]["init_args"]["d_model"] == 256
     assert config["data"]["class_path"] == "zlightning.datamodules.TextCorpusDataModule"
     assert config["trainer"]["devices"] == 2
@@ -136,13 +136,30 @@ def _events_files(save_dir: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_fit_end_to_end_two_processes(tmp_path: Path) -> None:
-    args = ["fit", "--config", CONFIG, *TINY, "--trainer.max_steps=3", "--trainer.val_check_interval=3"]
+def test_fit_end_to_end_two_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["fit", "--config", CONFIG, *TINY, "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}"]
     result = _run_cli(args, tmp_path)
+    output = result.stdout + result.stderr
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "Starting with 2 processes" in result.stdout + result.stderr
+    assert "Starting with 2 processes" in output
     assert _events_files(tmp_path), f"no TensorBoard events under {tmp_path}: {sorted(tmp_path.rglob('*'))}"
     assert list(tmp_path.glob("gpt_zero3/version_*/config.yaml")), "LightningCLI did not save the run's config"
+    # what the run prints: the summary of `make demo`, the sharded sizes, and none of Lightning's noise
+    for label in ("final training loss", "final validation loss", "throughput", "logs", "checkpoint"):
+        assert label in result.stdout, output[-3000:]
+    assert "this rank holds" in result.stdout
+    for noise in ("Tip:", "LeafSpec", "Total FLOPs", "is not supported by the model summary", "[rank1]: Traceback"):
+        assert noise not in output, noise
+    # the example YAML keeps last.ckpt, which the README's next command consolidates
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_dir(), sorted(p.name for p in tmp_path.rglob("*"))
+    out = tmp_path / "model.pt"
+    main(["consolidate", str(last), str(out), "--no-progress"])
+    assert f"wrote {out}" in capsys.readouterr().out
+    import torch
+
+    assert any(k.endswith("tok_emb.weight") for k in torch.load(out, weights_only=True))
 
 
 @pytest.mark.slow
@@ -160,3 +177,84 @@ def test_test_and_predict_two_processes(tmp_path: Path) -> None:
     assert "test/loss" in result.stdout
     result = _run_cli(["predict", "--config", CONFIG, *TINY, "--trainer.limit_predict_batches=2"], tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------------- first hour
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "consolidate", "estimate", "analyze", "kernels"):
+        assert f"  {command} " in out, out
+    assert "zstack_zero3_offload" in out
+
+
+def test_unknown_command_suggests_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["consolidat", "a", "b"])
+    assert exit_info.value.code == 2
+    assert "did you mean 'consolidate'" in capsys.readouterr().err
+
+
+def test_strategy_typo_suggests_the_registered_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", CONFIG, *TINY, "--trainer.strategy=zstack_zer03"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "'zstack_zer03' is not a registered strategy" in err and "did you mean 'zstack_zero3'" in err
+    assert "zstack_zero3_offload" in err
+
+
+def test_sizes_accept_integral_floats_and_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_main(["fit", "--config", CONFIG, "--trainer.strategy.zero.prefetch_bucket_size=5e7",
+                     "--trainer.strategy.zero.reduce_bucket_size=50M", "--print_config"], capsys)
+    zero = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]["zero"]
+    assert zero["prefetch_bucket_size"] == 50_000_000 and zero["reduce_bucket_size"] == 50_000_000
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", CONFIG, "--trainer.strategy.zero.reduce_bucket_size=200MB", "--print_config"])
+    assert "counts tensor elements" in capsys.readouterr().err
+
+
+def test_consolidate_reports_a_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["consolidate", str(tmp_path / "runs" / "last.ckpt"), str(tmp_path / "model.pt")])
+    assert "last.ckpt does not exist" in str(exit_info.value.code)
+
+
+def test_offload_name_over_the_yaml_keeps_its_zero_knobs(capsys: pytest.CaptureFixture[str]) -> None:
+    from zlightning.cli import _config_strategy, _strategy_over_config
+    from zlightning.zero import CPUOffload
+
+    block, name = _config_strategy(["fit", "--config", CONFIG, "--trainer.strategy=zstack_zero3_offload"])
+    assert name == "zstack_zero3_offload" and block is not None
+    strategy = _strategy_over_config(block, name)
+    assert strategy.zero.unit_modules == ("Block",)
+    assert strategy.zero.prefetch_bucket_size == 2_000_000
+    assert strategy.zero.offload_optimizer == CPUOffload()
+    err = capsys.readouterr().err
+    assert "added zero.offload_optimizer=CPUOffload" in err and "kept zero.prefetch_bucket_size, zero.unit_modules" in err
+    assert _strategy_over_config(block, "ddp") is None
+    assert "replaces the config's ZStackZero3Strategy (its init_args are not used: zero)" in capsys.readouterr().err
+
+
+def test_deepspeed_config_over_the_yaml_merges(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from zlightning.strategies import ZStackZero3Strategy
+    from zlightning.zero import CPUOffload
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                    "stage3_prefetch_bucket_size": 1000000}}))
+    out = _run_main(["fit", "--config", CONFIG, f"--trainer.strategy.config={ds}", "--print_config"], capsys)
+    init_args = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]
+    assert init_args["config"] == str(ds) and init_args["zero"]["unit_modules"] == ["Block"]
+    with caplog.at_level("INFO"):
+        strategy = ZStackZero3Strategy(ZeroConfig(unit_modules=("Block",), prefetch_bucket_size=2_000_000),
+                                       config=str(ds))
+    assert strategy.zero.unit_modules == ("Block",)
+    assert strategy.zero.offload_optimizer == CPUOffload() and strategy.zero.prefetch_bucket_size == 1_000_000
+    assert "kept from zero=: zero.unit_modules" in caplog.text
+    assert "replaced zero=: zero.prefetch_bucket_size" in caplog.text

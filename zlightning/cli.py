@@ -6,12 +6,14 @@ Usage::
     zlightning fit --config examples/gpt_zero3.yaml --trainer.max_steps=50 --model.d_model=128
     zlightning fit --help
     zlightning fit --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy
+    zlightning consolidate runs/gpt_zero3/version_0/checkpoints/last.ckpt model.pt
 
-The subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``). ``model`` and ``data`` are given
-by class path (``subclass_mode_model=True`` / ``subclass_mode_data=True``), e.g.::
+``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's; ``consolidate``, ``estimate``, ``analyze`` and
+``kernels`` are zlightning tools (`EXTRA_COMMANDS`); ``zlightning --help`` lists both. ``model`` and ``data`` are
+given by class path (``subclass_mode_model=True`` / ``subclass_mode_data=True``), e.g.::
 
     model:
-      class_path: examples.gpt.GPTLightningModule
+      class_path: zlightning.models.GPTLightningModule
       init_args: {d_model: 256, n_layer: 4}
     data:
       class_path: zlightning.datamodules.TextCorpusDataModule
@@ -20,7 +22,22 @@ by class path (``subclass_mode_model=True`` / ``subclass_mode_data=True``), e.g.
         class_path: zlightning.strategies.ZStackZero3Strategy
         init_args: {zero: {prefetch_bucket_size: 10000000, unit_modules: [Block]}}
 
-``trainer.strategy: zstack_zero3`` (the registered name) works too, with the default `ZeroConfig`.
+``trainer.strategy: zstack_zero3`` (the registered name) works too, with the default `ZeroConfig`. Sizes in
+elements accept ``5e7`` and ``50M`` (``zlightning.zero._config.Elements``, registered with jsonargparse there).
+
+[Note: command-line strategy over a config's strategy]
+jsonargparse replaces a config's ``trainer.strategy`` block wholesale when the command line names a registered
+strategy, so ``--trainer.strategy=zstack_zero3_offload`` on top of ``examples/gpt_zero3.yaml`` silently lost the
+config's ``zero:`` knobs. `main` therefore reads the strategy block of the config files itself; when the command
+line then names a registered ``zstack_zero*`` strategy and the config's block is a ``ZStackZero3Strategy``, the
+strategy is built from the config's block with the registered name's ZeRO settings applied on top (offload, stage),
+and one line says what was kept and what was added. Naming any other strategy drops the block, and a line says
+so. A DeepSpeed config given as ``--trainer.strategy.config=ds.json`` merges with the config's ``zero:`` knobs in the
+strategy itself (its keys win; see ``ZStackZero3Strategy``).
+
+[Note: what a run prints]
+The command adds the fixed progress bar, the model summary with sharded sizes and the end-of-fit summary of
+``zlightning._run_report`` unless the config brings its own (or turns the bar or summary off).
 
 [Note: where the ZeroConfig knobs are documented]
 ``ZStackZero3Strategy(zero: ZeroConfig = ZeroConfig())``: jsonargparse inlines a (non-optional) dataclass argument's
@@ -40,16 +57,24 @@ the same modules.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # Imported for its side effect: registering "zstack_zero3" (and later strategies) in Lightning's StrategyRegistry,
 # so `trainer.strategy: zstack_zero3` resolves. It must precede LightningCLI's parsing.
 import zlightning  # noqa: F401
 from jsonargparse import set_parsing_settings
+from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+from zlightning._run_report import RunSummary, _RichBar, _RichSizeSummary, _TQDMBar, ModelSizeSummary
 
 __all__ = ["EXTRA_COMMANDS", "main"]
 
@@ -81,6 +106,11 @@ def _consolidate(argv: list[str]) -> None:
         "only for checkpoints from a source you trust whose buffers or extra state are not plain data",
     )
     a = p.parse_args(argv)
+    if not Path(a.ckpt_dir).exists():
+        sys.exit(f"zlightning consolidate: {a.ckpt_dir} does not exist (give the checkpoint directory or file that "
+                 "trainer.save_checkpoint / ModelCheckpoint wrote, e.g. runs/gpt_zero3/version_0/checkpoints/last.ckpt)")
+    if Path(a.out).parent != Path("") and not Path(a.out).parent.is_dir():
+        sys.exit(f"zlightning consolidate: the folder of the output file {a.out} does not exist; create it first")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     weights_only = False if a.unsafe_load else None
     try:
@@ -107,7 +137,7 @@ def _estimate(argv: list[str]) -> None:
 
     p = argparse.ArgumentParser(prog="zlightning estimate", description=_estimate.__doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="class path of the model, e.g. examples.gpt.GPTLightningModule (built on meta)")
+    src.add_argument("--model", help="class path of the model, e.g. zlightning.models.GPTLightningModule (built on meta)")
     src.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
     p.add_argument("--init-args", default="{}", help='JSON keyword arguments for --model, e.g. \'{"d_model": 512}\'')
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
@@ -118,7 +148,11 @@ def _estimate(argv: list[str]) -> None:
     module = None
     if a.model:
         mod_name, _, cls_name = a.model.rpartition(".")
-        cls = getattr(importlib.import_module(mod_name), cls_name)
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError, ValueError) as err:
+            sys.exit(f"zlightning estimate: cannot import --model {a.model!r} ({err}); give a class path such as "
+                     "zlightning.models.GPTLightningModule")
         with torch.device("meta"):
             module = cls(**json.loads(a.init_args))
     est = estimate_zero_memory(
@@ -144,15 +178,38 @@ def _kernels(argv: list[str]) -> None:
     kernels_main(argv)
 
 
-EXTRA_COMMANDS: dict[str, Command] = {"consolidate": _consolidate, "estimate": _estimate, "analyze": _analyze}
+EXTRA_COMMANDS: dict[str, Command] = {
+    "consolidate": _consolidate, "estimate": _estimate, "analyze": _analyze, "kernels": _kernels,
+}
 """Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate``, ``estimate``,
-``analyze``; every other first argument (``fit``, ``validate``, ``--help``, ...) goes to LightningCLI."""
-EXTRA_COMMANDS["kernels"] = _kernels  # issue 9: native kernel report
+``analyze``, ``kernels``; every other first argument (``fit``, ``validate``, ...) goes to LightningCLI."""
 
+_LIGHTNING_COMMANDS = {
+    "fit": "train a model (zlightning fit --config examples/gpt_zero3.yaml)",
+    "validate": "one pass over the validation set",
+    "test": "one pass over the test set",
+    "predict": "predictions over the predict set",
+}
 
 _HELP_EPILOG = (
     "ZeRO-3 knobs: --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy"
 )
+
+
+def _overview() -> str:
+    """``zlightning --help``: every command, LightningCLI's and zlightning's tools."""
+    tools = {name: (fn.__doc__ or "").split(":", 1)[-1].strip().split("\n")[0].rstrip(".")
+             for name, fn in EXTRA_COMMANDS.items()}
+    ours = sorted(name for name in StrategyRegistry.available_strategies() if name.startswith("zstack"))
+    width = max(map(len, [*_LIGHTNING_COMMANDS, *tools]))
+    lines = ["usage: zlightning COMMAND [options]      (zlightning COMMAND --help for the options of one command)", "",
+             "training (LightningCLI):"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in _LIGHTNING_COMMANDS.items()]
+    lines += ["", "tools:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in tools.items()]
+    lines += ["", f"strategies (--trainer.strategy=NAME): {', '.join(ours)}",
+              "ZeRO-3 knobs: zlightning fit --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy"]
+    return "\n".join(lines)
 
 
 def _put_cwd_on_path() -> None:
@@ -172,6 +229,123 @@ def _parser_kwargs() -> dict[str, Any]:
     return {"prog": "zlightning", "epilog": _HELP_EPILOG, **per_subcommand}
 
 
+def _say(message: str) -> None:
+    """Prints a line of the command's own, once per run (the launching process; ranks re-run the command)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        print(f"zlightning: {message}", file=sys.stderr, flush=True)
+
+
+# ==================================================================== strategy from the command line
+def _registered_strategy_error(name: str) -> str | None:
+    """The error for a strategy name that is not registered (with the closest registered names), or None."""
+    available = StrategyRegistry.available_strategies()
+    if name == "auto" or name in available or "." in name:
+        return None
+    close = difflib.get_close_matches(name, available, n=3, cutoff=0.6)
+    ours = sorted(n for n in available if n.startswith("zstack"))
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return (f"trainer.strategy={name!r} is not a registered strategy: {hint}zlightning's strategies: "
+            f"{', '.join(ours)}; Lightning's include ddp, fsdp, deepspeed (a class path such as "
+            "zlightning.strategies.ZStackZero3Strategy works too)")
+
+
+def _config_strategy(argv: list[str]) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``trainer.strategy`` block of the last config file on the command line that has one, and the strategy
+    name given on the command line after it (``--trainer.strategy=NAME``). See [Note: command-line strategy over a
+    config's strategy]."""
+    import yaml
+
+    block: dict[str, Any] | None = None
+    name: str | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if not eq and i + 1 < len(argv) and key in ("--config", "-c", "--trainer.strategy"):
+            value, i = argv[i + 1], i + 1
+        if key in ("--config", "-c"):
+            try:
+                loaded = yaml.safe_load(Path(value).read_text())
+            except (OSError, yaml.YAMLError):
+                loaded = None  # LightningCLI reports an unreadable config itself
+            found = (loaded.get("trainer") or {}).get("strategy") if isinstance(loaded, dict) else None
+            if isinstance(found, dict) and "class_path" in found:
+                block, name = found, None
+        elif key == "--trainer.strategy" and "." not in value:
+            name = value
+        i += 1
+    return block, name
+
+
+def _strategy_over_config(block: dict[str, Any], name: str) -> Any:
+    """The strategy for ``--trainer.strategy=NAME`` given on top of a config whose strategy is ``block``: the config's
+    ``ZStackZero3Strategy`` with NAME's ZeRO settings applied, or None when NAME replaces it (said in one line)."""
+    from jsonargparse import ArgumentParser
+
+    from zlightning.strategies import ZStackZero3Strategy
+    from zlightning.zero import ZeroConfig
+
+    entry = dict.get(StrategyRegistry, name)  # the registration (its .get would build the strategy)
+    cls_name = str(block.get("class_path", "")).rpartition(".")[2]
+    if entry is None or cls_name not in ("ZStackZero3Strategy", "ZeroStrategy") or entry["strategy"] is not ZStackZero3Strategy:
+        kept = ", ".join(sorted((block.get("init_args") or {}).keys())) or "nothing"
+        _say(f"--trainer.strategy={name} replaces the config's {cls_name} (its init_args are not used: {kept})")
+        return None
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(ZStackZero3Strategy, "strategy")
+    base = parser.instantiate_classes(parser.parse_object({"strategy": block})).strategy
+    registered = entry["init_params"].get("zero", ZeroConfig())
+    default = ZeroConfig()
+    added = {f.name: getattr(registered, f.name) for f in dataclasses.fields(ZeroConfig)
+             if getattr(registered, f.name) != getattr(default, f.name)}
+    kept = [f"zero.{f.name}" for f in dataclasses.fields(ZeroConfig)
+            if getattr(base.zero, f.name) != getattr(default, f.name) and f.name not in added]
+    base.zero = dataclasses.replace(base.zero, **added)
+    what = ", ".join(f"zero.{k}={v!r}" for k, v in added.items()) or "nothing"
+    _say(f"--trainer.strategy={name} applied on top of the config's {cls_name}: added {what}; kept "
+         f"{', '.join(kept) or 'no other knob'} from the config")
+    return base
+
+
+class _CLI(LightningCLI):
+    """LightningCLI with zlightning's checks before anything is built and its callbacks (see [Note: what a run
+    prints] and [Note: command-line strategy over a config's strategy])."""
+
+    strategy_block: dict[str, Any] | None = None
+    strategy_name: str | None = None
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
+        strategy = config.get("trainer", {}).get("strategy") if hasattr(config, "get") else None
+        if isinstance(strategy, str):
+            problem = _registered_strategy_error(strategy)
+            if problem is not None:
+                print(f"zlightning {self.subcommand}: {problem}", file=sys.stderr)
+                raise SystemExit(2)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        strategy = config.get("trainer", {}).get("strategy")
+        if isinstance(strategy, str) and self.strategy_block is not None and strategy == self.strategy_name:
+            merged = _strategy_over_config(self.strategy_block, strategy)
+            if merged is not None:
+                kwargs["strategy"] = merged
+        return super().instantiate_trainer(**kwargs)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Any:
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        everything = [*given, *callbacks]
+        extra: list[Callback] = []
+        if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in everything):
+            extra.append(_RichBar() if _RICH_AVAILABLE else _TQDMBar())
+        if config.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary) for c in everything):
+            extra.append(_RichSizeSummary() if _RICH_AVAILABLE else ModelSizeSummary())
+        if self.subcommand == "fit" and not any(isinstance(c, RunSummary) for c in everything):
+            extra.append(RunSummary())
+        return super()._instantiate_trainer(config, [*callbacks, *extra])
+
+
 def main(args: list[str] | None = None) -> None:
     """Runs the ``zlightning`` command.
 
@@ -187,9 +361,18 @@ def main(args: list[str] | None = None) -> None:
     if argv and argv[0] in EXTRA_COMMANDS:
         EXTRA_COMMANDS[argv[0]](argv[1:])
         return
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_overview())
+        raise SystemExit(0 if argv else 2)
+    if not argv[0].startswith("-") and argv[0] not in _LIGHTNING_COMMANDS:
+        close = difflib.get_close_matches(argv[0], [*_LIGHTNING_COMMANDS, *EXTRA_COMMANDS], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        print(f"zlightning: unknown command {argv[0]!r}; {hint}run zlightning --help for the list", file=sys.stderr)
+        raise SystemExit(2)
     # See [Note: where the ZeroConfig knobs are documented].
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    LightningCLI(
+    _CLI.strategy_block, _CLI.strategy_name = _config_strategy(argv)
+    _CLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},

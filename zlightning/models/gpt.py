@@ -25,9 +25,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torchmetrics.text import Perplexity
 from typing_extensions import override
+
+from zlightning._run_report import stock_callbacks
 
 from .gpt_model import GPT, GPTConfig
 
@@ -176,6 +179,13 @@ class GPTLightningModule(LightningModule):
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Greedy next-byte predictions for every position of ``x``."""
         return self.model(batch[0])[0].argmax(dim=-1)
+
+    @override
+    def configure_callbacks(self) -> list[Callback]:
+        """A progress bar with correct totals, a model summary with the sharded sizes, and the end-of-fit summary
+        (final losses, tokens/s, logs, checkpoint); each replaces only Lightning's stock counterpart. See
+        [Note: fixing Lightning's progress bar and summary] in ``zlightning/_run_report.py``."""
+        return stock_callbacks(self.trainer) if self._trainer is not None else []
 
     @override
     def configure_optimizers(self) -> Any:

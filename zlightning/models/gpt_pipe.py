@@ -20,9 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from zlightning._run_report import stock_callbacks
 from zlightning.models.gpt import LinearWarmup
 from zlightning.models.gpt_model import Block, GPTConfig
 from zlightning.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -131,6 +133,11 @@ class GPTPipelineModule(LightningModule):
     @override
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("val/loss", self.pipe.batch_loss(tuple(batch)), prog_bar=True, sync_dist=True)
+
+    @override
+    def configure_callbacks(self) -> list[Callback]:
+        """The fixed progress bar, model summary and end-of-fit summary (as `GPTLightningModule`)."""
+        return stock_callbacks(self.trainer) if self._trainer is not None else []
 
     @override
     def configure_optimizers(self) -> Any:
