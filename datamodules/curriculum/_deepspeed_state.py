@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -196,7 +195,7 @@ def deepspeed_to_state(
         "shape": {k: shape[k] for k in SHAPE_KEYS},
         "batch": batch,
         "consumed_samples": consumed,
-        "micro_batches": math.ceil(consumed / m),
+        "micro_batches": -(-consumed // m),
         "epoch": 0,
         "epoch_position": 0,
         "curriculum_step": step,
