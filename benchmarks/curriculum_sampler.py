@@ -174,7 +174,7 @@ def main() -> int:
     sys.path.insert(0, str(REPO_ROOT))
     import numpy as np
 
-    from zlightning.datamodules import write_metric_index
+    from zlightning.datamodules.curriculum import write_metric_index
 
     with tempfile.TemporaryDirectory(prefix="curriculum_sampler_") as tmp:
         root = Path(tmp)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zlightning.datamodules import cp_size_needed, schedule_hybrid_cp, schedule_stats
+from zlightning.datamodules.hybrid_cp import cp_size_needed, schedule_hybrid_cp, schedule_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` and `benchmarks` when run as a script
 

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from examples.gpt_model import GPT, GPTConfig
-from zlightning.datamodules import (
+from zlightning.datamodules import TextCorpusDataModule
+from zlightning.datamodules.hybrid_cp import (
     HybridCPConfig,
     HybridCPDataLoaderWrapper,
     PackedDocumentDataset,
-    TextCorpusDataModule,
     TransformerShape,
     fit_cost,
     schedule_hybrid_cp,

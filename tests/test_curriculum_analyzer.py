@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from zlightning.cli import main as cli_main
-from zlightning.datamodules import DataAnalyzer, IndexFile, MetricSpec
+from zlightning.datamodules.curriculum import DataAnalyzer, IndexFile, MetricSpec
 from zlightning.datamodules.curriculum._index import find_fit_int_dtype, write_index_file
 
 N, T, PAD = 1000, 12, 0

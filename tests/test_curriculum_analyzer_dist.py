@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from zlightning.datamodules import DataAnalyzer, DistributedDataAnalyzer, MetricSpec
+from zlightning.datamodules.curriculum import DataAnalyzer, DistributedDataAnalyzer, MetricSpec
 from zlightning.datamodules.curriculum._cli import analyze_main
 from zlightning.testing import run_distributed
 

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from zlightning.datamodules import CurriculumDataModule, write_metric_index
+from zlightning.datamodules.curriculum import CurriculumDataModule, write_metric_index
 from zlightning.testing import run_distributed
 
 N, T = 400, 32

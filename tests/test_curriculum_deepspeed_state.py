@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from zlightning.datamodules import CurriculumDataModule, DeepSpeedDataSampler, write_metric_index
+from zlightning.datamodules.curriculum import CurriculumDataModule, DeepSpeedDataSampler, write_metric_index
 from zlightning.datamodules.curriculum._deepspeed_state import (
     DEEPSPEED_STATE_KEYS,
     deepspeed_to_state,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from zlightning.datamodules import DeepSpeedDataSampler, write_metric_index
+from zlightning.datamodules.curriculum import DeepSpeedDataSampler, write_metric_index
 from zlightning.testing import run_distributed
 
 N, B, A, TP, DP = 600, 3, 2, 2, 1

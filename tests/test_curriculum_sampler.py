@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from zlightning.datamodules import DataEfficiencyConfig, DeepSpeedDataSampler, IndexFile, write_metric_index
+from zlightning.datamodules.curriculum import DataEfficiencyConfig, DeepSpeedDataSampler, IndexFile, write_metric_index
 
 N = 1000
 

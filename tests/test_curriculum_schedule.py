@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlightning.datamodules import CurriculumSchedule, CurriculumScheduler, difficulty_at
+from zlightning.datamodules.curriculum import CurriculumSchedule, CurriculumScheduler, difficulty_at
 
 
 def _root(lo: int, hi: int, s: int, T: int, k: float | None = None) -> dict:

@@ -44,7 +44,7 @@ from examples.gpt_model import GPT, GPTConfig
 from tests.test_hybrid_cp_attention import TOL, _reference, _run_block
 from tests.test_hybrid_cp_lightning import BATCH, CFG, HCP, _datamodule, _write_corpus
 from tests._lightning_models import state_after_fit
-from zlightning.datamodules import PackedByteDataset
+from zlightning.datamodules.text import PackedByteDataset
 from zlightning.datamodules.hybrid_cp import (
     HybridCPConfig,
     HybridCPDataLoaderWrapper,

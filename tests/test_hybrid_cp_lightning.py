@@ -16,7 +16,7 @@ import torch
 
 from examples.gpt_hybrid_cp import HybridCPGPTModule
 from examples.gpt_model import GPTConfig
-from zlightning.datamodules import HybridCPConfig, HybridCPTextDataModule, PackedDocumentDataset
+from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPTextDataModule, PackedDocumentDataset
 
 SEQ_LEN = 32
 BATCH = 2

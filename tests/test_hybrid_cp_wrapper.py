@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from zlightning.datamodules import HybridCPConfig, HybridCPDataLoaderWrapper, unpack_packed_batch, zigzag_shard
+from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPDataLoaderWrapper, unpack_packed_batch, zigzag_shard
 
 
 def test_unpack_skips_zero_length_entries_and_returns_views() -> None:

@@ -32,11 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from zlightning.compression import apply_schedule, init_compression, redundancy_clean
-from zlightning.datamodules import DeepSpeedDataSampler, IndexFile, write_metric_index
+from zlightning.datamodules import DeepSpeedDataSampler
 from zlightning.datamodules.curriculum import (
+    IndexFile,
     get_sample_based_on_metric_percentile,
     get_sample_based_on_metric_value,
     get_start_end_idx,
+    write_metric_index,
 )
 from zlightning.inject import InjectPolicy, build_tp_groups, injection_report, module_inject
 from zlightning.kernels import DeepSpeedIOEngine

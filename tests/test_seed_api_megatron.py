@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zlightning.datamodules import HybridCPConfig, HybridCPDataLoaderWrapper
-from zlightning.datamodules.hybrid_cp import BalancedCPScheduler, schedule_hybrid_cp
+from zlightning.datamodules import BalancedCPScheduler, HybridCPConfig, HybridCPDataLoaderWrapper
+from zlightning.datamodules.hybrid_cp import schedule_hybrid_cp
 from zlightning.testing import run_distributed
 
 MAX_SEQLEN = 8  # max_seqlen_per_dp_cp_rank

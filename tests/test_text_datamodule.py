@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zlightning.datamodules import BYTE_VOCAB_SIZE, PackedByteDataset, TextCorpusDataModule, corpus_files
-from zlightning.datamodules.text import is_val_file, read_documents
+from zlightning.datamodules import TextCorpusDataModule
+from zlightning.datamodules.text import BYTE_VOCAB_SIZE, PackedByteDataset, corpus_files, is_val_file, read_documents
 
 
 def _write_corpus(root: Path, n_files: int = 20, size: int = 300) -> list[str]:

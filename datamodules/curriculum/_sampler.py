@@ -8,7 +8,7 @@ the global batch from the clusters and shuffles it. Without curriculum it is a p
 [Note: clusters]
 A cluster is the set of samples that became eligible at one difficulty change: cluster ``c`` is every sample eligible
 under all metrics at the difficulties of its creation, minus every earlier cluster. Clusters are therefore disjoint
-and their union is the currently eligible set (spec 4.1 #5). Eligibility per metric: ``value``: ``metric <= d``;
+and their union is the currently eligible set. Eligibility per metric: ``value``: ``metric <= d``;
 ``percentile``: among the first ``(N1 // max_difficulty) * d`` samples in ascending-metric order (all when
 ``d >= max_difficulty``); ``single_cluster``: every sample. An empty intersection is an empty set, never "no
 constraint" (DeepSpeed treats one metric's empty set as no constraint and breaks the bound). A cluster is named

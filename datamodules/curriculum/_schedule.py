@@ -1,6 +1,6 @@
 """Curriculum schedules as data: a frozen `CurriculumSchedule`, the pure `difficulty_at`, and `CurriculumScheduler`.
 
-`difficulty_at(schedule, step)` is a pure function of the step (STYLE.md principle 6); `CurriculumScheduler` is the
+`difficulty_at(schedule, step)` is a pure function of the step (the schedule is data); `CurriculumScheduler` is the
 thin stateful wrapper with DeepSpeed's names and meanings (`get_difficulty`, `update_difficulty`), so DeepSpeed code
 that builds ``CurriculumScheduler(metric_config_dict)`` ports unchanged.
 

@@ -1,4 +1,4 @@
-"""The hybrid data×context-parallel scheduler as pure, typed functions (STYLE.md principles 6 and 15).
+"""The hybrid data×context-parallel scheduler as pure, typed functions: schedules are data.
 
 `schedule_hybrid_cp(seqlens, dp_cp_size, max_seqlen_per_rank, cost=None)` places every sub-sample of a global batch
 on an aligned power-of-two block of the DP×CP ranks, in a few "groups" separated by barriers, so that every rank is
