@@ -278,3 +278,18 @@ def test_unsupported_models_are_refused_by_name() -> None:
         hf_pipeline(BertConfig())
     with pytest.raises(ValueError, match="no counterpart.*model.rotary"):
         hf_to_pipeline_state({"model.rotary.weight": torch.zeros(1)}, transformers.LlamaConfig(**CONFIG))
+
+
+def test_example_config_resolves(capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/hf_causal_lm.yaml: zstack_zero3 with CPU offload, TP2 and compile, the Llama, the curriculum data."""
+    from zlightning.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(repo / "examples" / "hf_causal_lm.yaml"), "--print_config"])
+    assert done.value.code in (0, None)
+    text = capsys.readouterr().out
+    for needle in ("zlightning.strategies.ZStackZero3Strategy", "tensor_parallel_size: 2", "compile: true",
+                   "offload_optimizer:\n        pin_memory: true", "zlightning.models.hf_causal_lm.HFCausalLM", "num_key_value_heads: 2",
+                   "zlightning.datamodules.CurriculumDataModule", "seqlen_truncate", "zlightning.loggers.TensorBoardLogger"):
+        assert needle in text, needle

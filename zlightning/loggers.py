@@ -67,7 +67,7 @@ class TensorBoardLogger(_LightningTensorBoardLogger):
     Args:
         save_dir, name, version, log_graph, prefix, sub_dir, kwargs: as Lightning's ``TensorBoardLogger``.
         default_hp_metric: write Lightning's placeholder ``hp_metric`` (-1); off here.
-        sections: ``(regex, replacement)`` rules (`SECTION_RULES` by default, ``()`` keeps every tag as logged).
+        sections: ``(regex, replacement)`` rules; None: `SECTION_RULES`; ``()`` keeps every tag as logged.
 
     Raises:
         ValueError: a rule whose pattern is not a valid regular expression.
@@ -82,9 +82,10 @@ class TensorBoardLogger(_LightningTensorBoardLogger):
         default_hp_metric: bool = False,
         prefix: str = "",
         sub_dir: str | None = None,
-        sections: Sequence[tuple[str, str]] = SECTION_RULES,
+        sections: Sequence[tuple[str, str]] | None = None,
         **kwargs: Any,
     ) -> None:
+        sections = SECTION_RULES if sections is None else sections
         for pattern, _ in sections:
             try:
                 re.compile(pattern)

@@ -23,8 +23,11 @@ stay one parameter as they are in the Hugging Face model.
 [Note: starting from the Hugging Face weights]
 Layers are built lazily on the rank that runs them, from the configuration. Given a model instead of a
 configuration, every layer spec carries that model's tensors for its own layer (references, no copy) and the
-built layer loads them, so the pipeline starts from exactly the model's weights on any split. For models too
-large to hold whole on each rank, pass the configuration and load weights per stage with `hf_to_pipeline_state`.
+built layer loads them, so the pipeline starts from exactly the model's weights on any split. Given a
+configuration, each built layer is initialised by the model class's own ``_init_weights`` (called on a copy of the
+model on the meta device, which holds no memory), so it starts like a fresh Hugging Face model, seeded per layer
+by ``PipelineModule`` (the same values on any split). For models too large to hold whole on each rank, pass the
+configuration and load weights per stage with `hf_to_pipeline_state`.
 """
 
 from __future__ import annotations
@@ -109,9 +112,17 @@ def _layout(config: PretrainedConfig) -> _Layout:
 
 
 # ---------------------------------------------------------------------------------------------------- layers
-def _load_init(module: nn.Module, init: Mapping[str, Tensor] | None) -> None:
-    """Copies ``init`` into a freshly built layer (strict); nothing on the meta device (parameter counting)."""
-    if init is None or any(p.is_meta for p in module.parameters()):
+def _load_init(module: nn.Module, init: Mapping[str, Tensor] | None, initializer: nn.Module | None = None) -> None:
+    """Copies ``init`` into a freshly built layer (strict), or else initialises it as the Hugging Face model does
+    (``initializer._init_weights`` on every submodule: normal(0, ``initializer_range``) matrices, zero biases, unit
+    norms, GPT-2's scaled residual projections); nothing on the meta device (parameter counting)."""
+    if any(p.is_meta for p in module.parameters()):
+        return
+    if init is None:
+        if initializer is not None:
+            with torch.no_grad():
+                for sub in module.modules():
+                    initializer._init_weights(sub)
         return
     missing, unexpected = module.load_state_dict(dict(init), strict=False)
     missing = [k for k in missing if k in dict(module.named_parameters())]
@@ -123,9 +134,9 @@ class TokenEmbedding(nn.Embedding):
     """The token table (``embed_tokens`` / ``wte``); with tied weights also read by the head (`tied_lm_head`)."""
 
     def __init__(self, vocab_size: int, hidden: int, padding_idx: int | None = None,
-                 init: Mapping[str, Tensor] | None = None) -> None:
+                 init: Mapping[str, Tensor] | None = None, initializer: nn.Module | None = None) -> None:
         super().__init__(vocab_size, hidden, padding_idx=padding_idx)
-        _load_init(self, init)
+        _load_init(self, init, initializer)
 
 
 def tied_lm_head(embedding: nn.Module, hidden_BTD: Tensor) -> Tensor:
@@ -136,19 +147,21 @@ def tied_lm_head(embedding: nn.Module, hidden_BTD: Tensor) -> Tensor:
 class LMHead(nn.Linear):
     """The output head of a model whose embeddings are not tied (``lm_head``, no bias)."""
 
-    def __init__(self, hidden: int, vocab_size: int, init: Mapping[str, Tensor] | None = None) -> None:
+    def __init__(self, hidden: int, vocab_size: int, init: Mapping[str, Tensor] | None = None,
+                 initializer: nn.Module | None = None) -> None:
         super().__init__(hidden, vocab_size, bias=False)
-        _load_init(self, init)
+        _load_init(self, init, initializer)
 
 
 class GPT2Positions(nn.Module):
     """GPT-2's learned positions and embedding dropout: ``drop(x_BTD + wpe[0..T-1])``."""
 
-    def __init__(self, config: PretrainedConfig, init: Mapping[str, Tensor] | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, init: Mapping[str, Tensor] | None = None,
+                 initializer: nn.Module | None = None) -> None:
         super().__init__()
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.drop = nn.Dropout(config.embd_pdrop)
-        _load_init(self, init)
+        _load_init(self, init, initializer)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         return self.drop(x_BTD + self.wpe(torch.arange(x_BTD.shape[1], device=x_BTD.device)))
@@ -158,10 +171,10 @@ class FinalNorm(nn.Module):
     """The final norm (``model.norm`` / ``transformer.ln_f``) under the attribute ``norm``."""
 
     def __init__(self, norm_cls: type[nn.Module], hidden: int, eps: float,
-                 init: Mapping[str, Tensor] | None = None) -> None:
+                 init: Mapping[str, Tensor] | None = None, initializer: nn.Module | None = None) -> None:
         super().__init__()
         self.norm = norm_cls(hidden, eps=eps)
-        _load_init(self, init)
+        _load_init(self, init, initializer)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         return self.norm(x_BTD)
@@ -192,15 +205,18 @@ class DecoderLayer(nn.Module):
         layer_cls: the decoder layer class (``LlamaDecoderLayer``, ``GPT2Block``, ...).
         rotary_cls: the rotary embedding class (Llama family), None for learned positions (GPT-2).
         init: the layer's Hugging Face weights (``model.layers.{i}.*`` without the prefix), or None.
+        initializer: without ``init``, a (meta-device) model of the family whose ``_init_weights`` initialises the
+            layer as Hugging Face does; None keeps PyTorch's defaults.
     """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, layer_cls: type[nn.Module],
-                 rotary_cls: type[nn.Module] | None = None, init: Mapping[str, Tensor] | None = None) -> None:
+                 rotary_cls: type[nn.Module] | None = None, init: Mapping[str, Tensor] | None = None,
+                 initializer: nn.Module | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer = layer_cls(config, layer_idx)
         self.rotary = rotary_cls(config=config) if rotary_cls is not None else None  # buffers only, not saved
-        _load_init(self.layer, init)
+        _load_init(self.layer, init, initializer)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         position_ids = torch.arange(x_BTD.shape[1], device=x_BTD.device)[None]
@@ -262,6 +278,7 @@ def hf_pipeline_layers(source: PreTrainedModel | PretrainedConfig) -> list[Layer
             "layers; build the model with attn_implementation='sdpa' or 'eager'"
         )
     state = model.state_dict() if isinstance(source, PreTrainedModel) else None
+    ini = None if state is not None else model  # the meta model's _init_weights: see [Note: starting from ...]
     pairs = dict(layout.prefixes())
     inner = model.model if layout.family == "llama" else model.transformer
     blocks = inner.layers if layout.family == "llama" else inner.h
@@ -273,22 +290,25 @@ def hf_pipeline_layers(source: PreTrainedModel | PretrainedConfig) -> list[Layer
     padding_idx = inner.embed_tokens.padding_idx if layout.family == "llama" else None
     embed_args = (vocab, hidden, padding_idx)
     layers: list[LayerSpec] = [
-        TiedLayerSpec("embed", TokenEmbedding, *embed_args, init=embed_init) if layout.tied
-        else LayerSpec(TokenEmbedding, *embed_args, init=embed_init)
+        TiedLayerSpec("embed", TokenEmbedding, *embed_args, init=embed_init, initializer=ini) if layout.tied
+        else LayerSpec(TokenEmbedding, *embed_args, init=embed_init, initializer=ini)
     ]
     if layout.family == "gpt2":
-        layers.append(LayerSpec(GPT2Positions, config, init=_prefixed(_sub_state(state, "transformer.wpe."), "wpe.")))
+        wpe = _prefixed(_sub_state(state, "transformer.wpe."), "wpe.")
+        layers.append(LayerSpec(GPT2Positions, config, init=wpe, initializer=ini))
     for i in range(layout.n_layer):
         hf_prefix = pairs[f"{layout.first_block + i}.layer."]
-        layers.append(LayerSpec(DecoderLayer, config, i, layer_cls, rotary_cls, init=_sub_state(state, hf_prefix)))
+        layers.append(LayerSpec(DecoderLayer, config, i, layer_cls, rotary_cls, init=_sub_state(state, hf_prefix),
+                                initializer=ini))
     norm = inner.norm if layout.family == "llama" else inner.ln_f
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     norm_init = _sub_state(state, pairs[f"{layout.first_block + layout.n_layer}.norm."])
-    layers.append(LayerSpec(FinalNorm, type(norm), hidden, eps, init=_prefixed(norm_init, "norm.")))
+    layers.append(LayerSpec(FinalNorm, type(norm), hidden, eps, init=_prefixed(norm_init, "norm."), initializer=ini))
     if layout.tied:
-        layers.append(TiedLayerSpec("embed", TokenEmbedding, *embed_args, init=embed_init, forward_fn=tied_lm_head))
+        layers.append(TiedLayerSpec("embed", TokenEmbedding, *embed_args, init=embed_init, initializer=ini,
+                                    forward_fn=tied_lm_head))
     else:
-        layers.append(LayerSpec(LMHead, hidden, vocab, init=_sub_state(state, "lm_head.")))
+        layers.append(LayerSpec(LMHead, hidden, vocab, init=_sub_state(state, "lm_head."), initializer=ini))
     return layers
 
 
