@@ -127,7 +127,8 @@ def _load_init(module: nn.Module, init: Mapping[str, Tensor] | None, initializer
     missing, unexpected = module.load_state_dict(dict(init), strict=False)
     missing = [k for k in missing if k in dict(module.named_parameters())]
     if missing or unexpected:
-        raise AssertionError(f"{type(module).__name__}: {missing=} {unexpected=}")
+        raise ValueError(f"{type(module).__name__}: the Hugging Face weights do not fit this layer (missing "
+                         f"{missing}, unexpected {unexpected}); is the model of the family its config names?")
 
 
 class TokenEmbedding(nn.Embedding):
