@@ -12,40 +12,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import zlightning  # noqa: F401  (registers zstack_zero3)
-from zlightning.models import GPTLightningModule
+from zlightning._run_report import RunSummary
 from zlightning.datamodules import TextCorpusDataModule
 from zlightning.loggers import TensorBoardLogger  # a section per concern (loss, throughput, memory), no hp_metric
+from zlightning.models import GPTLightningModule
 from zlightning.strategies import ZeroMemoryMonitor, ZStackZero3Strategy
 from zlightning.zero import ZeroConfig, summon_full_params
-
-
-class Throughput(Callback):
-    """Tokens per second over the whole fit (all ranks), excluding the first step (start-up)."""
-
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.start: float | None = None
-        self.seconds = 0.0
-
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, i: int) -> None:
-        now = time.perf_counter()
-        if self.start is None:
-            self.start = now
-            return
-        self.tokens += batch[0].numel() * trainer.world_size
-        self.seconds = now - self.start
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,7 +49,6 @@ def main() -> None:
     strategy = ZStackZero3Strategy(ZeroConfig(unit_modules=("Block",)))
     logger = TensorBoardLogger(args.out, name="gpt_zero3")
     ckpt = ModelCheckpoint(dirpath=os.path.join(logger.log_dir, "checkpoints"), save_last=True, save_top_k=1, monitor="val/loss")
-    throughput = Throughput()
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="auto",
@@ -85,20 +62,15 @@ def main() -> None:
         gradient_clip_val=1.0,
         log_every_n_steps=2 if args.short else 10,
         logger=logger,
-        callbacks=[ckpt, throughput, ZeroMemoryMonitor(every_n_steps=2 if args.short else 50)],
+        # RunSummary prints, on rank 0 at the end of fit: final losses, tokens/s, the logs and the checkpoint
+        callbacks=[ckpt, RunSummary(), ZeroMemoryMonitor(every_n_steps=2 if args.short else 50)],
     )
     trainer.fit(model, datamodule=data)
-    val_loss = float(trainer.callback_metrics.get("val/loss", float("nan")))
     # The module stays sharded after fit: rank 0 gets the full parameters, gathered one unit at a time.
     with summon_full_params(model, rank0_only=True) as full:
         sample = full.generate_text("def ", max_new_tokens=120, temperature=0.8, top_k=20) if full is not None else ""
     if trainer.is_global_zero:
-        print("\n" + "=" * 72)
-        print(f"final validation loss : {val_loss:.4f} (byte-level cross-entropy, nats)")
-        print(f"throughput            : {throughput.tokens_per_s:,.0f} tokens/s over {trainer.world_size} processes")
-        print(f"TensorBoard logs      : {logger.log_dir}  (tensorboard --logdir {args.out})")
-        print(f"checkpoint            : {ckpt.last_model_path or ckpt.best_model_path}")
-        print("sample                :")
+        print("sample (byte-level, from the trained model):")
         print(sample)
         print("=" * 72)
 

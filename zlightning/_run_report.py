@@ -208,7 +208,8 @@ class RunSummary(Callback):
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         if log_dir:
             root = getattr(trainer.logger, "root_dir", None) or getattr(trainer.logger, "save_dir", None) or log_dir
-            rows.append(("logs", f"{_shown(log_dir)}  (tensorboard --logdir {_shown(root)})"))
+            label = "TensorBoard logs" if "TensorBoard" in type(trainer.logger).__name__ else "logs"
+            rows.append((label, f"{_shown(log_dir)}  (tensorboard --logdir {_shown(root)})"))
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
             trainer.checkpoint_callback, "best_model_path", "")
         if checkpoint:
