@@ -216,10 +216,14 @@ def test_sizes_accept_integral_floats_and_suffixes(capsys: pytest.CaptureFixture
     assert "counts tensor elements" in capsys.readouterr().err
 
 
-def test_consolidate_reports_a_missing_path(tmp_path: Path) -> None:
+def test_tools_report_a_missing_path_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["consolidate", str(tmp_path / "runs" / "last.ckpt"), str(tmp_path / "model.pt")])
     assert "last.ckpt does not exist" in str(exit_info.value.code)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", "--save-path", str(tmp_path / "analysis"), "--data-dir", str(tmp_path / "corpus")])
+    message = str(exit_info.value.code)
+    assert message.startswith("zlightning analyze: ") and "corpus' does not exist" in message
 
 
 def test_offload_name_over_the_yaml_keeps_its_zero_knobs(capsys: pytest.CaptureFixture[str]) -> None:

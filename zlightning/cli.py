@@ -359,7 +359,12 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     _put_cwd_on_path()
     if argv and argv[0] in EXTRA_COMMANDS:
-        EXTRA_COMMANDS[argv[0]](argv[1:])
+        try:
+            EXTRA_COMMANDS[argv[0]](argv[1:])
+        except (OSError, ValueError) as err:  # a missing path, a bad value: one line (the traceback on request)
+            if os.environ.get("ZLIGHTNING_FULL_TRACEBACK") == "1":
+                raise
+            sys.exit(f"zlightning {argv[0]}: {type(err).__name__}: {err} (ZLIGHTNING_FULL_TRACEBACK=1 shows where)")
         return
     if not argv or argv[0] in ("-h", "--help"):
         print(_overview())
