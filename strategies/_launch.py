@@ -48,6 +48,8 @@ from typing import Any, NoReturn
 import torch.distributed
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 __all__ = [
@@ -202,6 +204,27 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
         if signum == signal.SIGTERM:
             end_run(int(signum))
         super().kill(signum)
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        """Lightning sends rank 0's ``state_dict()`` to the main process after ``fit``; a module that stays sharded
+        (``zstack_zero3``) would send this rank's pieces, so here the full state is gathered unit by unit (Lightning's
+        method otherwise)."""
+        from zlightning.zero import engine_of, full_state_dict
+
+        engine = engine_of(trainer.lightning_module)
+        if engine is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        state_dict = full_state_dict(engine, rank0_only=True)  # collective: every rank takes part
+        if self._strategy.local_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback is not None else None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
     @override
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:

@@ -172,3 +172,33 @@ def test_example_config_builds(config: str, monkeypatch: pytest.MonkeyPatch) -> 
     checkpoints = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
     assert checkpoints and checkpoints[0].save_last, "the example must keep last.ckpt for `zlightning consolidate`"
     assert cli.trainer.log_every_n_steps <= 10
+
+
+@pytest.mark.slow
+def test_spawn_start_method_returns_full_weights_to_the_main_process(tmp_path: Path) -> None:
+    script = tmp_path / "spawn_fit.py"
+    script.write_text(textwrap.dedent(
+        """
+        import lightning.pytorch as pl
+        import torch
+        import zlightning
+        from zlightning.datamodules import TextCorpusDataModule
+        from zlightning.models import GPTLightningModule
+        from zlightning.strategies import ZStackZero3Strategy
+
+        if __name__ == "__main__":
+            model = GPTLightningModule(seq_len=32, d_model=32, n_layer=1, n_head=2)
+            before = model.model.head.weight.detach().clone()
+            trainer = pl.Trainer(strategy=ZStackZero3Strategy(start_method="spawn"), accelerator="cpu", devices=2,
+                                 max_steps=2, logger=False, enable_checkpointing=False, limit_val_batches=0,
+                                 enable_progress_bar=False)
+            trainer.fit(model, datamodule=TextCorpusDataModule(seq_len=32, batch_size=2, max_bytes=50_000))
+            after = model.model.head.weight
+            assert after.shape == before.shape and not torch.equal(after, before), "main process got no weights"
+            print("FULL WEIGHTS BACK")
+        """
+    ))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0 and "FULL WEIGHTS BACK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
