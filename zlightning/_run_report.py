@@ -152,11 +152,14 @@ def _sharding_lines(trainer: pl.Trainer) -> list[str]:
         report = report_fn()
     except RuntimeError:
         return []
-    stage = getattr(getattr(strategy, "zero", None), "stage", 3)
+    zero = getattr(strategy, "zero", None)
+    stage = getattr(zero, "stage", 3)
+    offload = getattr(zero, "offload_optimizer", None)
+    where = f", optimizer state offloaded ({type(offload).__name__})" if offload is not None else ""
     return [
         f"  {strategy.strategy_name} (ZeRO stage {stage}) over {trainer.world_size} ranks: this rank holds "
         f"{report.param_bytes / 2**20:.2f} MiB of the {report.full_model_bytes / 2**20:.2f} MiB of parameters; "
-        f"gradients and optimizer state are sharded alike (largest unit gathered: "
+        f"gradients and optimizer state are sharded alike{where} (largest unit gathered: "
         f"{report.largest_unit_bytes / 2**20:.2f} MiB)"
     ]
 
