@@ -24,7 +24,8 @@ latest end minus the earliest start over all ranks and the busy time is the sum 
 and GPipe with equal stages is ``(P - 1) / (m + P - 1)``; interleaved 1F1B with ``v`` chunks: ``(P - 1) / (v m + P - 1)``.
 
 That theory assumes equal stages and free transfers. To tell the schedule's own bubble from the rest, each step is
-also replayed with zero-cost transfers: every compute action keeps its measured duration and starts as soon as its
+also replayed with zero-cost transfers (and once more with every action at its stage and kind's median duration:
+``median replay``, the schedule's bubble at this machine's real F/B/W costs without the per-action spread): every compute action keeps its measured duration and starts as soon as its
 rank is free and its input (previous stage's forward, next stage's backward) is done. ``replay bubble`` is the
 bubble of that replay: it differs from theory only by uneven stage times (the last stage also computes the loss;
 on a shared CPU, time-slicing by other processes lengthens random actions). ``measured - replay`` is then what
@@ -107,7 +108,7 @@ class _ActivationMeter:
             self.bytes += entry[1]
             self.peak = max(self.peak, self.bytes)
         entry[0] += 1
-        return _Held(self, key, t)
+        return _Held(self, key, t.detach())  # not the tensor itself: a saved output would keep its own node alive
 
     def release(self, key: int) -> None:
         entry = self.live[key]
@@ -151,6 +152,18 @@ def _bubble(step_spans: list[list[tuple[str, float, float]]]) -> float:
     return 1.0 - busy / (len(step_spans) * (max(ends) - min(starts)))
 
 
+def _median_spans(step_spans: list[list[tuple[str, float, float]]]) -> list[list[tuple[str, float, float]]]:
+    """The same step with every action lasting the median duration of its stage and kind (F, B or W) in that step:
+    what the schedule's order costs with this machine's average action times and no per-action spread."""
+    durations: dict[tuple[int, ActionKind], list[float]] = {}
+    for spans in step_spans:
+        for a, s, e in spans:
+            act = Action.parse(a)
+            durations.setdefault((act.stage, act.kind), []).append(e - s)
+    median = {k: statistics.median(v) for k, v in durations.items()}
+    return [[(a, 0.0, median[(Action.parse(a).stage, Action.parse(a).kind)]) for a, _, _ in spans] for spans in step_spans]
+
+
 def _replay_bubble(step_spans: list[list[tuple[str, float, float]]]) -> float:
     """Bubble of one step replayed with free transfers; see [Note: how the bubble is measured]."""
     programs = [[(Action.parse(a), e - s) for a, s, e in spans] for spans in step_spans]
@@ -184,7 +197,7 @@ def _replay_bubble(step_spans: list[list[tuple[str, float, float]]]) -> float:
 def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) -> dict[str, Any]:
     module = _module(args, pp)
     engine = PipelineEngine(module, lambda ps: torch.optim.SGD(ps, lr=1e-3), PipelineConfig(micro_batches=m, schedule=schedule))
-    times, bubbles, replays = [], [], []
+    times, bubbles, replays, medians = [], [], [], []
     batches = _data(args, m, args.warmup + args.steps + 1)
     x, y = batches.pop()
     peak = _peak_activations(list(module.parameters()), lambda: engine.train_batch(batch=(x, y)))
@@ -200,10 +213,12 @@ def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) ->
             dist.all_gather_object(spans, engine.timings)
             bubbles.append(_bubble(spans))
             replays.append(_replay_bubble(spans))
+            medians.append(_replay_bubble(_median_spans(spans)))
     return {
         "step_s": statistics.median(times[args.warmup :]),
         "bubble": statistics.median(bubbles),
         "replay_bubble": statistics.median(replays),
+        "median_replay_bubble": statistics.median(medians),
         "peak_act_mib": _per_rank(peak),
     }
 
@@ -272,7 +287,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
     for (variant, m), outs in runs.items():
         row: dict[str, Any] = {"variant": variant, "m": m, "step_s": statistics.median(o["step_s"] for o in outs),
                                "runs_step_s": [o["step_s"] for o in outs], "peak_act_mib": outs[0]["peak_act_mib"]}
-        for key in ("bubble", "replay_bubble"):
+        for key in ("bubble", "replay_bubble", "median_replay_bubble"):
             if key in outs[0]:
                 row[key] = statistics.median(o[key] for o in outs)
                 row[f"runs_{key}"] = [o[key] for o in outs]
@@ -357,19 +372,22 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "Bubble: `1 - busy / (P * makespan)` over the schedule's compute spans (transfers excluded from busy time). "
         "`replay` re-runs each measured step with zero-cost transfers (same compute durations), so `replay` vs theory "
         "shows uneven stage times and per-action spread, `measured - replay` what transfers and per-action overhead "
-        "add. Theory: the timing model with unit costs (F = B = W; 1F1B: (P-1)/(m+P-1)). Peak activations: MiB of "
+        "add; `median replay` replays it with every action at its stage and kind's median duration (the schedule's "
+        "bubble at this machine's average F/B/W costs, without the per-action spread). "
+        "Theory: the timing model with unit costs (F = B = W; 1F1B: (P-1)/(m+P-1)). Peak activations: MiB of "
         "tensors saved for backward at the fullest point of one step, per rank. See the docstring of "
         "`benchmarks/pipeline.py`.",
         "",
-        "| variant | m | step (s) | samples/s | measured bubble | replay bubble | theory | measured / theory | replay / theory | peak activations per rank (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | m | step (s) | samples/s | measured bubble | replay bubble | median replay | theory | measured / theory | replay / theory | peak activations per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         th = r.get("theory")
         peaks = ", ".join(f"{x:.1f}" for x in r["peak_act_mib"])
         lines.append(
             f"| {r['variant']} | {r['m']} | {r['step_s']:.4f} | {r['samples_per_s']:.1f} | {_fmt(r.get('bubble'))} | "
-            f"{_fmt(r.get('replay_bubble'))} | {_fmt(th)} | {_fmt(r.get('bubble_vs_theory'), '.2f')} | "
+            f"{_fmt(r.get('replay_bubble'))} | {_fmt(r.get('median_replay_bubble'))} | {_fmt(th)} | "
+            f"{_fmt(r.get('bubble_vs_theory'), '.2f')} | "
             f"{_fmt(r['replay_bubble'] / th if th else None, '.2f')} | {peaks} |"
         )
     if result["ratios"]:

@@ -29,14 +29,15 @@ after the last ``B``. With unit costs F = B = W the idle time per rank drops fro
 units (a third) when ``M >= P``. Each rank then holds at most ``min(P, M)`` micro-batches of activations (until their
 ``W``): 1F1B's peak (that of rank 0), reached on every rank instead of only the first. ``zbv`` places two chunks per
 rank in a V (rank ``r`` holds stages ``r`` and ``2P - 1 - r``, so the first and last stage share rank 0 and the
-turn at rank ``P - 1`` needs no transfer) and orders the actions with a list scheduler over unit chunk costs: when a
-rank is free it runs a ready ``B`` (the lowest micro-batch, the later stage first), else the forward of its deepest
-chunk that is ready, within 1F1B's activation peak of ``2P`` chunk activations (a chunk-0 forward leaves one slot
-for chunk 1, so a full rank never blocks the V's turn), else the oldest pending ``W``. Simulated bubble with unit
-costs (1F1B / ZB-H1 / ZBV): P = 2, M = 8: 0.111 / 0.040 / 0.020; P = 4, M = 16: 0.158 / 0.059 / 0.086; P = 8,
-M = 32: 0.179 / 0.068 / 0.220. This list scheduler is the paper's ZB-V only on two ranks: with more ranks its
-greedy warm-up and drain leave more idle time than ZB-H1 (and from P = 6 more than 1F1B), so use ``zbv`` on two
-pipeline ranks and ``zb_h1`` beyond (a handcrafted ZB-V order for any P is not implemented).
+turn at rank ``P - 1`` needs no transfer) and orders the actions with a list scheduler over unit chunk costs (the
+first stage's ``B`` free and its ``W`` the whole backward, see [Note: the first stage's split backward]): when a rank
+is free it runs a ready ``B`` (the lowest micro-batch, the later stage first), else the forward of its deepest chunk
+that is ready, within 1F1B's activation peak of ``2P`` chunk activations (a chunk-0 forward leaves one slot for
+chunk 1, so a full rank never blocks the V's turn), else the oldest pending ``W``. Simulated bubble (1F1B / ZB-H1 /
+ZBV): P = 2, M = 8: 0.111 / 0.040 / 0.040; P = 4, M = 16: 0.158 / 0.059 / 0.086; P = 8, M = 32: 0.179 / 0.068 /
+0.229. This list scheduler matches ZB-H1 on two ranks and falls behind it beyond (from P = 8 behind 1F1B too): it
+is not the paper's handcrafted ZB-V, whose order for any P is not implemented. ``zb_h1`` is the better choice
+whenever P > 2; ``zbv`` holds two chunks per rank (half the layers per action, twice the transfers).
 
 [Note: communication model]
 Sends are non-blocking (``isend``; completed at the end of the batch) and receives block. Per ordered rank pair the
@@ -358,8 +359,15 @@ class _VListScheduler:
             return Action(s, ActionKind.WEIGHT, m)
         return None
 
+    def _cost(self, a: Action) -> float:
+        """Unit chunk costs; the first stage's B is free and its W the whole backward (see [Note: the first stage's
+        split backward])."""
+        if a.stage == 0 and a.kind is not ActionKind.FORWARD:
+            return 0.0 if a.kind is ActionKind.BACKWARD else 2.0
+        return 1.0
+
     def _apply(self, r: int, a: Action) -> None:
-        key, end = (a.stage, a.microbatch), self.clock[r] + 1.0
+        key, end = (a.stage, a.microbatch), self.clock[r] + self._cost(a)
         if a.kind is ActionKind.FORWARD:
             self.f_end[key] = end
             self.next_f[a.stage] += 1
@@ -610,6 +618,10 @@ def simulate(schedule: Schedule) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- timing model
+# [Note: the first stage's split backward]
+# The first stage's inputs are data, which need no gradient, so its ``B`` has nothing to compute and its ``W`` is the
+# whole backward (see ``_backward.py``). The timing model and the ``zbv`` list scheduler cost it that way: the first
+# stage's backward is all filler, which nothing downstream waits for.
 @dataclass(frozen=True)
 class Timeline:
     """Start and end time of every compute action under a cost model (transfers free)."""
@@ -645,7 +657,9 @@ def timeline(
 ) -> Timeline:
     """Event-driven timing of a lowered schedule: each action starts when its rank is free and its input exists.
     Costs are per rank's worth of layers (a chunk costs ``1 / v`` of them). A split backward costs
-    ``backward_cost - weight_cost`` for its ``B`` and ``weight_cost`` (default half the backward) for its ``W``."""
+    ``backward_cost - weight_cost`` for its ``B`` and ``weight_cost`` (default half the backward) for its ``W``, except
+    on the first stage, whose ``B`` is free and whose ``W`` is the whole backward (see
+    [Note: the first stage's split backward])."""
     lowered = add_send_recv(schedule)
     simulate(lowered)
     S, P = lowered.num_stages, lowered.num_ranks
@@ -669,10 +683,12 @@ def timeline(
                 start = max([clock[r]] + [finish[d] for d in deps])
                 if a.kind is ActionKind.FORWARD:
                     cost = forward_cost
-                elif a.kind is ActionKind.WEIGHT:
-                    cost = w_cost
+                elif (a.stage, a.microbatch) not in split:
+                    cost = backward_cost
+                elif a.stage == 0:  # see [Note: the first stage's split backward]
+                    cost = 0.0 if a.kind is ActionKind.BACKWARD else backward_cost
                 else:
-                    cost = backward_cost - w_cost if (a.stage, a.microbatch) in split else backward_cost
+                    cost = w_cost if a.kind is ActionKind.WEIGHT else backward_cost - w_cost
                 end = start + cost / v
                 finish[(a.stage, a.kind, a.microbatch)] = clock[r] = end
                 spans[r].append((a, start, end))
