@@ -62,6 +62,7 @@ __all__ = [
     "end_run",
     "install_failure_report",
     "install_sigterm_handler",
+    "recover_checkpoint_dirs",
 ]
 
 TERMINATE_GRACE_S = 10.0
@@ -181,6 +182,7 @@ class RankLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())  # before the children copy the environment
         install_sigterm_handler(lambda: self.procs)
+        recover_checkpoint_dirs(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -197,6 +199,7 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())
         install_sigterm_handler(lambda: self.procs)
+        recover_checkpoint_dirs(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -234,6 +237,23 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
             rank, world = self._strategy.global_rank, self._strategy.world_size
             summary = _report(err, rank, world, print_summary=False)
             raise RankFailedError(summary) from None
+
+
+def recover_checkpoint_dirs(trainer: Any) -> None:
+    """Puts back a checkpoint that a crash between the two renames of a publication left missing (file systems
+    without ``RENAME_EXCHANGE``; see [Note: the name always resolves] in ``zlightning/_durable.py``), before Lightning
+    lists the folder for ``ckpt_path="last"``: otherwise it would not find ``last.ckpt`` and start from scratch."""
+    from zlightning._durable import recover
+
+    for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
+        folder = getattr(callback, "dirpath", None)
+        if folder is None:  # Lightning resolves it from the logger at setup; the same function answers now
+            try:
+                folder = callback._ModelCheckpoint__resolve_ckpt_dir(trainer)
+            except Exception:  # noqa: BLE001 - not a ModelCheckpoint, or no folder yet: nothing to recover
+                continue
+        if folder is not None and "://" not in str(folder):
+            recover(folder)
 
 
 # ==================================================================== errors: see [Note: one concise error per failed run]

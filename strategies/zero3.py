@@ -23,7 +23,10 @@ unit: ``summon_full_params`` (the full module on rank 0 or on every rank, gather
 By default (``CheckpointPolicy(state_dict_type="sharded")``) ``trainer.save_checkpoint``, ``ModelCheckpoint`` and
 ``ckpt_path=`` use a directory where every rank writes only its own shards (``zlightning.zero.save_sharded``); it
 loads at any world size and ``zlightning consolidate`` turns it into one plain file. With ``"full"`` the strategy
-gathers full, world-size independent state on rank 0 into an ordinary Lightning checkpoint file. Loading happens
+gathers full, world-size independent state on rank 0 into an ordinary Lightning checkpoint file. Both formats are
+written durably and published atomically (see [Note: what durable means here] in ``zlightning/_durable.py``): a
+crash at any moment leaves the previous or the new checkpoint, complete, under the name, and a failed save raises
+``CheckpointSaveError`` on every rank. Loading happens
 after setup (``restore_checkpoint_after_setup``), and ``load_checkpoint`` restores the optimizers itself for both
 formats (``lightning_restore_optimizer`` is False), as DeepSpeed's and FSDP's strategies do.
 """
@@ -32,14 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
@@ -52,6 +57,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from zlightning._durable import remove_durably, resolve, save_failure_message, write_durably
 from zlightning.compile import CompileConfig
 from zlightning.compile._zero3 import ZeroCompileHandle, compile_zero3
 from zlightning.inject._api import TPGroups, apply_tensor_parallel
@@ -65,6 +71,7 @@ from zlightning.zero._offload_config import CPUOffload, NVMeOffload
 from zlightning.kernels._host_cache import empty_host_cache
 from zlightning.zero import (
     CheckpointPolicy,
+    CheckpointSaveError,
     DynamicLossScaler,
     MemoryReport,
     MixedPrecisionPolicy,
@@ -508,7 +515,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._sharded():
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if storage_options is not None or type(self.checkpoint_io) is not TorchCheckpointIO or "://" in str(filepath):
+                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return self._save_full_durably(checkpoint, Path(filepath))
         if storage_options is not None:
             raise TypeError("zstack_zero3 sharded checkpoints do not take storage_options (use a local or mounted path)")
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -517,9 +526,35 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             raise AssertionError("sharded save without an engine")
         save_sharded(engine, self._attached, filepath, client, save_full_weights=self.checkpoint.save_full_weights)
 
+    def _save_full_durably(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """Rank 0 writes the single-file checkpoint through a temporary, ``fsync`` and an atomic publication (see
+        [Note: what durable means here] in ``zlightning/_durable.py``); a failure is raised on every rank."""
+        error = None
+        if self.is_global_zero:
+            existed = os.path.lexists(path)
+            try:
+                write_durably(path, lambda tmp: torch.save(checkpoint, tmp))
+            except Exception as err:  # noqa: BLE001 - every rank must learn of it (see CheckpointSaveError)
+                error = save_failure_message(path, "rank 0", err, existed)
+        error = self.broadcast(error)
+        if error is not None:
+            raise CheckpointSaveError(error)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """A checkpoint leaves its name in one rename before its files are deleted (never half-deleted)."""
+        if not self.is_global_zero:
+            return
+        if type(self.checkpoint_io) is TorchCheckpointIO and "://" not in str(filepath):
+            remove_durably(filepath)
+        else:
+            super().remove_checkpoint(filepath)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         weights_only = requested_weights_only(weights_only)  # see [Note: Lightning's weights_only after setup]
+        if "://" not in str(checkpoint_path):
+            checkpoint_path = resolve(checkpoint_path)  # see [Note: the name always resolves] in zlightning/_durable.py
         if self.engine is not None and is_sharded_checkpoint(checkpoint_path):
             client = load_sharded(self._engine, self._attached, checkpoint_path, weights_only=weights_only)
             self._loaded_sharded = True

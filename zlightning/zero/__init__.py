@@ -33,6 +33,7 @@ from zlightning.zero._optimizer import (
 )
 from zlightning.zero._sharded_checkpoint import (
     CheckpointError,
+    CheckpointSaveError,
     consolidate,
     is_sharded_checkpoint,
     load_sharded,
@@ -58,6 +59,7 @@ __all__ = [
     "SwapStateError",
     "CheckpointError",
     "CheckpointPolicy",
+    "CheckpointSaveError",
     "DeepSpeedSettings",
     "DeepSpeedZeroOptimizer_Stage3",
     "DynamicLossScaler",

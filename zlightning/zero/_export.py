@@ -90,12 +90,25 @@ class _Pickler(pickle.Pickler):
 def _open_archive(path: Path, pickled: bytes) -> Any:
     """A PyTorch archive writer with ``data.pkl`` and the format records written; storages follow."""
     archive = torch._C.PyTorchFileWriter(str(path))
-    archive.write_record("data.pkl", pickled, len(pickled))
-    archive.write_record(".format_version", "1", 1)
-    align = str(torch.serialization._get_storage_alignment())
-    archive.write_record(".storage_alignment", align, len(align))
-    archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    try:
+        archive.write_record("data.pkl", pickled, len(pickled))
+        archive.write_record(".format_version", "1", 1)
+        align = str(torch.serialization._get_storage_alignment())
+        archive.write_record(".storage_alignment", align, len(align))
+        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    except BaseException:
+        _finish_quietly(archive)
+        raise
     return archive
+
+
+def _finish_quietly(archive: Any) -> None:
+    """Finalises an archive whose writing failed, so that its destructor does not try again: on a full disk that
+    second write throws inside a C++ destructor, which aborts the whole process (std::terminate)."""
+    try:
+        archive.write_end_of_file()  # marks the archive finished even when it raises
+    except Exception:  # noqa: BLE001 - the caller raises the first failure
+        pass
 
 
 def _write_storage(archive: Any, key: str, tensor: torch.Tensor, spec: TensorSpec) -> None:
@@ -135,13 +148,17 @@ def save_streaming(obj: Any, path: str | os.PathLike[str]) -> None:
     buf = io.BytesIO()
     Pickler(buf, protocol=2).dump(obj)
     archive = _open_archive(Path(path), buf.getvalue())
-    for ref, produce in pending:
-        tensor = produce()
-        if tuple(tensor.shape) != ref.spec.shape or tensor.dtype != ref.spec.dtype:
-            raise ValueError(f"save_streaming: a lazy tensor produced {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"declared {ref.spec.shape} {ref.spec.dtype}")
-        _write_storage(archive, ref.key, tensor, ref.spec)
-        del tensor
+    try:
+        for ref, produce in pending:
+            tensor = produce()
+            if tuple(tensor.shape) != ref.spec.shape or tensor.dtype != ref.spec.dtype:
+                raise ValueError(f"save_streaming: a lazy tensor produced {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"declared {ref.spec.shape} {ref.spec.dtype}")
+            _write_storage(archive, ref.key, tensor, ref.spec)
+            del tensor
+    except BaseException:
+        _finish_quietly(archive)
+        raise
     archive.write_end_of_file()
 
 
@@ -228,7 +245,7 @@ class StateDictWriter:
             if self.safetensors:
                 self._file.close()
             else:
-                self._zip.write_end_of_file()
+                _finish_quietly(self._zip)
                 del self._zip
         finally:
             self.path.unlink(missing_ok=True)

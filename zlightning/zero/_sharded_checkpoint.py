@@ -29,10 +29,15 @@ therefore have grouped parameters differently (other ``unit_modules``, persisten
 the set of parameter names and their shapes must match.
 
 [Note: atomic, all-or-nothing]
-Ranks write into ``<dir>.tmp-<id>``; rank 0 writes ``meta.json`` last and renames the temporary directory into place
-(moving an existing checkpoint aside first and deleting it only after), so a crash mid-save leaves the previous
-checkpoint loadable. Loading validates everything first (format, model layout, files present, checksums) and builds
-the new shards in temporary tensors; the engine's shards and the optimizer change only when every check passed.
+Ranks write into a temporary directory next to the target (``zlightning._durable.temporary_name``) and ``fsync`` their
+files; rank 0 writes ``meta.json`` last, ``fsync`` s it and the directory, and publishes it under the target's name in
+one atomic, durable step that deletes the previous checkpoint only afterwards (see [Note: what durable means here]
+and [Note: the name always resolves] in ``zlightning/_durable.py``). So a crash or a power loss at any moment leaves
+either the previous or the new checkpoint, complete, under the name. A save that fails on any rank (a full disk, an
+I/O error) fails on every rank with the same `CheckpointSaveError`: it names the rank and the cause, the partial
+files are removed and nothing was replaced. Loading validates everything first (format, model layout, files present,
+checksums) and builds the new shards in temporary tensors; the engine's shards and the optimizer change only when
+every check passed.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zlightning._durable import (
+    clean_leftovers,
+    fsync_dir,
+    fsync_file,
+    full_disk_as_oserror,
+    publish,
+    resolve,
+    save_failure_message,
+    temporary_name,
+)
 from zlightning._safe_load import LIGHTNING_OPT_IN, join_client_state, load_file, split_client_state
 from zlightning.zero._export import LazyTensor, save_full_state_dict, save_streaming
 from zlightning.zero._param import ZeroParam
@@ -56,6 +70,7 @@ from zlightning.zero._state import ZeroState
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
     "FORMAT",
     "consolidate",
     "is_sharded_checkpoint",
@@ -80,6 +95,11 @@ class CheckpointError(ValueError):
     """A sharded checkpoint is missing, corrupted, or does not belong to this model."""
 
 
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (a full disk, an I/O error) on some rank, raised on every rank; nothing was replaced
+    (see [Note: atomic, all-or-nothing]). An ``OSError``, as the failure underneath it."""
+
+
 def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
@@ -93,7 +113,8 @@ def _sha256(path: Path) -> str:
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return Path(path).is_dir() and (Path(path) / META).is_file()
+    path = resolve(path)  # see [Note: the name always resolves] in zlightning/_durable.py
+    return path.is_dir() and (path / META).is_file()
 
 
 def _layout(state: ZeroState) -> list[dict[str, Any]]:
@@ -155,10 +176,29 @@ def _flat_of(group: Any, pieces: list[tuple[ZeroParam, torch.Tensor]]) -> torch.
 
 
 def _collective_name(state: ZeroState, path: Path) -> str:
-    box = [f"{path.name}.tmp-{uuid.uuid4().hex[:8]}" if state.rank == 0 else None]
+    if state.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(path.parent)  # a crashed earlier save's temporaries (see [Note: the name always resolves])
+    box = [temporary_name(path).name if state.rank == 0 else None]
     if state.world_size > 1:
         dist.broadcast_object_list(box, src=state.global_src, group=state.process_group)
     return str(box[0])
+
+
+def _agree(state: ZeroState, mine: Any) -> list[Any]:
+    """Every rank's ``mine`` (collective)."""
+    if state.world_size == 1:
+        return [mine]
+    everyone: list[Any] = [None] * state.world_size
+    dist.all_gather_object(everyone, mine, group=state.process_group)
+    return everyone
+
+
+def _from_rank0(state: ZeroState, value: Any) -> Any:
+    box = [value]
+    if state.world_size > 1:
+        dist.broadcast_object_list(box, src=state.global_src, group=state.process_group)
+    return box[0]
 
 
 def save_sharded(
@@ -181,8 +221,41 @@ def save_sharded(
         save_full_weights: also gather a consolidated model state dict into ``full_weights.pt``.
     """
     path = Path(path)
+    existed = os.path.lexists(path)
     tmp = path.parent / _collective_name(state, path)
-    tmp.mkdir(parents=True, exist_ok=True)
+    try:  # this rank's file; a failure is reported to every rank below (see [Note: atomic, all-or-nothing])
+        tmp.mkdir(parents=True, exist_ok=True)
+        mine: tuple[str, str] = ("ok", _write_rank_file(state, optimizers, tmp))
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it, or the others wait for this one
+        mine = ("error", save_failure_message(path, f"rank {state.rank}", err, existed))
+    outcomes = _agree(state, mine)
+    failed = [text for kind, text in outcomes if kind == "error"]
+    if failed:
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(failed[0])
+    digests = [digest for _, digest in outcomes]
+    if save_full_weights:  # streamed by rank 0, one gathered group at a time
+        save_full_state_dict(state, tmp / FULL_WEIGHTS)
+    error = None
+    if state.rank == 0:
+        try:
+            _write_rank0_files(state, optimizers, tmp, digests, client_state, save_full_weights)
+        except Exception as err:  # noqa: BLE001 - reported on every rank
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = save_failure_message(path, "rank 0", err, existed)
+        else:
+            try:
+                publish(tmp, path)
+            except OSError as err:  # a rename refused: the complete new checkpoint stays at tmp
+                error = f"publishing the complete checkpoint {tmp} as {path} failed on rank 0: {err}"
+    error = _from_rank0(state, error)
+    if error is not None:
+        raise CheckpointSaveError(error)
+
+
+def _write_rank_file(state: ZeroState, optimizers: Sequence[torch.optim.Optimizer], tmp: Path) -> str:
+    """Writes and fsyncs this rank's shard file; returns its SHA-256."""
     payload = {
         "shards": [LazyTensor((g.shard_numel,), g.master_dtype, lambda g=g: g.shard.detach().cpu())
                    for g in state.groups],
@@ -191,53 +264,51 @@ def save_sharded(
     if state.rank == 0:
         payload[BUFFERS] = _buffers(state)
     rank_path = tmp / _rank_file(state.rank)
-    with state.resident():  # parameter offload: read back from the swap files while they are written
+    with state.resident(), full_disk_as_oserror(tmp):  # resident: offloaded parameters are read back to be written
         save_streaming(payload, rank_path)  # one tensor at a time: the save needs no copy of the state
-    digests: list[Any] = [None] * state.world_size
-    mine = _sha256(rank_path)
-    if state.world_size > 1:
-        dist.all_gather_object(digests, mine, group=state.process_group)
-    else:
-        digests = [mine]
-    if save_full_weights:  # streamed by rank 0, one gathered group at a time
-        save_full_state_dict(state, tmp / FULL_WEIGHTS)
-    if state.rank == 0:
-        files = {_rank_file(r): d for r, d in enumerate(digests)}
-        plain, originals = split_client_state(client_state or {})
+    fsync_file(rank_path)
+    return _sha256(rank_path)
+
+
+def _write_rank0_files(
+    state: ZeroState,
+    optimizers: Sequence[torch.optim.Optimizer],
+    tmp: Path,
+    digests: list[str],
+    client_state: Mapping[str, Any] | None,
+    save_full_weights: bool,
+) -> None:
+    """The client state and ``meta.json`` (last), each fsynced, then the directory itself."""
+    files = {_rank_file(r): d for r, d in enumerate(digests)}
+    plain, originals = split_client_state(client_state or {})
+    with full_disk_as_oserror(tmp):
         torch.save(plain, tmp / CLIENT)
-        files[CLIENT] = _sha256(tmp / CLIENT)
         if originals:
             torch.save(originals, tmp / OBJECTS)
-            files[OBJECTS] = _sha256(tmp / OBJECTS)
-        if save_full_weights:
-            files[FULL_WEIGHTS] = _sha256(tmp / FULL_WEIGHTS)
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "world_size": state.world_size,
-            "groups": _layout(state),
-            "num_optimizers": len(optimizers),
-            "files": files,
-        }
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        _swap_into_place(tmp, path)
-    if state.world_size > 1:
-        dist.barrier(group=state.process_group)
+    files[CLIENT] = _sha256(tmp / CLIENT)
+    if originals:
+        files[OBJECTS] = _sha256(tmp / OBJECTS)
+    if save_full_weights:
+        files[FULL_WEIGHTS] = _sha256(tmp / FULL_WEIGHTS)
+    for name in files:
+        if not name.startswith("rank_"):  # each rank fsynced its own file
+            fsync_file(tmp / name)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": state.world_size,
+        "groups": _layout(state),
+        "num_optimizers": len(optimizers),
+        "files": files,
+    }
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    fsync_file(tmp / META)
+    fsync_dir(tmp)
 
 
 def _buffers(state: ZeroState) -> dict[str, Any]:
     names = {n for zp in state.params for n in zp.fqns}
     return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.root.state_dict().items() if k not in names}
-
-
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    old = None
-    if path.exists():
-        old = path.parent / f"{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -246,7 +317,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         CheckpointError: not a directory with ``meta.json``, or not this format/version.
     """
-    path = Path(path)
+    path = resolve(path)
     if not path.is_dir():
         raise CheckpointError(
             f"{path} is not a sharded zlightning checkpoint directory (a single .ckpt/.pt file is a full checkpoint: "
@@ -380,7 +451,7 @@ def load_sharded(
         UnsafeCheckpointError: a file needs full unpickling and ``weights_only`` is not ``False`` (nothing is
             modified then).
     """
-    path = Path(path)
+    path = resolve(path)
     meta = read_metadata(path)
     _check_layout(state, meta, path)
     sources = _sources(meta)
@@ -476,7 +547,7 @@ def consolidate(
     """
     from zlightning.zero._export import StateDictWriter, TensorSpec
 
-    ckpt_dir, out = Path(ckpt_dir), Path(out)
+    ckpt_dir, out = resolve(ckpt_dir), Path(out)
     meta = read_metadata(ckpt_dir)
     world = int(meta["world_size"])
     legacy = meta["version"] == 1 and (ckpt_dir / CLIENT).is_file()  # buffers in the client state
