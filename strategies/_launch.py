@@ -17,8 +17,9 @@ not talk to the peers at all:
 The handler is installed where nothing else handles SIGTERM yet (the default disposition); a handler the user or
 another library installed first is left alone. During ``trainer.fit/validate/test/predict`` Lightning puts its handler
 in front; it calls the launcher's ``kill(SIGTERM)`` before its broadcast, and `kill` is where the steps above run, so
-the broadcast is never reached. Nothing is saved on the way out: a checkpoint on SIGTERM (preemption) would go in
-`end_run` before step 2, while the process groups still work.
+the broadcast is never reached. While the training loop of ``fit`` runs, SIGTERM is a preemption instead: the ranks
+finish the step in progress and save one checkpoint before they exit with 143 (see [Note: preemption] in
+``_preemption.py``); the launching process of ``spawn`` ranks then waits the preemption deadline as well.
 
 [Note: one concise error per failed run]
 When one rank raises, its peers fail a moment later with "connection closed by peer", and each process printed its
@@ -47,10 +48,14 @@ from typing import Any, NoReturn
 
 import torch.distributed
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+
+from zlightning._watchdog import PeerFailureError, note_exit
+from zlightning.strategies._preemption import GracefulStop, preemption_timeout
 
 __all__ = [
     "ERROR_DIR_ENV",
@@ -59,6 +64,7 @@ __all__ = [
     "RankFailedError",
     "RankLauncher",
     "SpawnRankLauncher",
+    "add_graceful_stop",
     "end_run",
     "install_failure_report",
     "install_sigterm_handler",
@@ -73,6 +79,8 @@ ERROR_DIR_ENV = "ZLIGHTNING_ERROR_DIR"
 """Environment variable naming the folder where each rank writes its traceback (set by the launching process)."""
 _FULL_TRACEBACK_ENV = "ZLIGHTNING_FULL_TRACEBACK"
 _SECONDARY_WAIT_S = 3.0
+_PEER_EXIT_GRACE_S = 15.0
+"""Seconds rank 0 of a ``popen`` run has, after another rank died, to end with its own error before it is killed."""
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
               "connection closed", "Connection refused")
 
@@ -116,15 +124,17 @@ def end_run(signum: int = int(signal.SIGTERM)) -> NoReturn:
         raise SystemExit(TERMINATED_EXIT_CODE)
     _ending = True
     children = [p for p in _children() if _alive(p)]
+    # ranks started by this process that are training finish their step and save first (see [Note: preemption])
+    grace = TERMINATE_GRACE_S + (preemption_timeout() if not torch.distributed.is_initialized() else 0.0)
     if children:
         name = signal.Signals(signum).name
         print(f"zlightning: {name} received: ending this run's {len(children) + 1} processes "
-              f"(at most {TERMINATE_GRACE_S:.0f} s)", file=sys.stderr, flush=True)
+              f"(at most {grace:.0f} s)", file=sys.stderr, flush=True)
     _stop_child_observers()
     for p in children:
         _signal(p, signal.SIGTERM)
     _abort_process_groups()
-    deadline = time.monotonic() + TERMINATE_GRACE_S
+    deadline = time.monotonic() + grace
     for p in children:
         _wait(p, max(0.0, deadline - time.monotonic()))
         if _alive(p):
@@ -183,7 +193,19 @@ class RankLauncher(_SubprocessScriptLauncher):
         os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())  # before the children copy the environment
         install_sigterm_handler(lambda: self.procs)
         recover_checkpoint_dirs(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        add_graceful_stop(trainer)
+        try:  # Lightning's launch, with an observer that reports how a rank ended (see _RankObserver)
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            if not self.cluster_environment.creates_processes_externally:
+                self._call_children_scripts()
+                first = self.cluster_environment.node_rank() * self.num_processes + 1
+                _RankObserver(os.getpid(), self.procs, first).start()
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            return function(*args, **kwargs)
+        except SystemExit as stop:
+            if stop.code == TERMINATED_EXIT_CODE:  # preempted: the other ranks are exiting too (see [Note: preemption])
+                _reap(self.procs)
+            raise
 
     @override
     def kill(self, signum: Any) -> None:
@@ -200,6 +222,7 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
         os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())
         install_sigterm_handler(lambda: self.procs)
         recover_checkpoint_dirs(trainer)
+        add_graceful_stop(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -237,6 +260,61 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
             rank, world = self._strategy.global_rank, self._strategy.world_size
             summary = _report(err, rank, world, print_summary=False)
             raise RankFailedError(summary) from None
+
+
+class _RankObserver(_ChildProcessObserver):
+    """Lightning's observer of the ranks a ``popen`` rank 0 started, which SIGKILLs the whole run as soon as one of
+    them exits with an error. This one first records how the rank ended (for the survivors' errors: see [Note: a
+    dead peer] in ``zlightning/_watchdog.py``), looks twice a second instead of every 5 s, and gives this process
+    `_PEER_EXIT_GRACE_S` seconds to end with its own, explained error before it ends everything."""
+
+    def __init__(self, main_pid: int, procs: list[Any], first_rank: int) -> None:
+        super().__init__(main_pid, procs, sleep_period=1)
+        self._sleep_period = 0.5  # type: ignore[assignment]
+        self._first_rank = first_rank
+
+    @override
+    def _run(self) -> bool:
+        for proc in self._child_processes:
+            proc.poll()
+        if all(proc.returncode == 0 for proc in self._child_processes):
+            return True
+        failed = [(i, proc) for i, proc in enumerate(self._child_processes) if proc.returncode]
+        if not failed:
+            return False
+        for i, proc in failed:
+            code = proc.returncode
+            how = (f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}")
+            note_exit(self._first_rank + i, how)
+        time.sleep(_PEER_EXIT_GRACE_S)
+        if self._child_processes:  # not stopped meanwhile (an intended exit: see _stop_child_observers)
+            self._terminate_all()
+        return True
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def add_graceful_stop(trainer: Any) -> None:
+    """Gives the Trainer the callback that turns SIGTERM during ``fit`` into a coordinated stop (see [Note:
+    preemption] in ``_preemption.py``), once."""
+    callbacks = getattr(trainer, "callbacks", None)
+    if isinstance(callbacks, list) and not any(isinstance(c, GracefulStop) for c in callbacks):
+        callbacks.append(GracefulStop())
+
+
+def _reap(procs: Sequence[Any]) -> None:
+    """Waits for ranks that are exiting (at most `TERMINATE_GRACE_S` seconds), then SIGKILLs what is left."""
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in procs:
+        _wait(p, max(0.0, deadline - time.monotonic()))
+        if _alive(p):
+            _signal(p, signal.SIGKILL)
+            _wait(p, 5.0)
 
 
 def recover_checkpoint_dirs(trainer: Any) -> None:
@@ -323,6 +401,8 @@ def _report(err: BaseException, rank: int, world_size: int, print_summary: bool)
 
 
 def _is_secondary(err: BaseException) -> bool:
+    if isinstance(err, PeerFailureError) and err.killed:
+        return False  # the killed rank could not report: this names it, the best report there is
     text = f"{err}"
     return any(marker in text for marker in _SECONDARY)
 

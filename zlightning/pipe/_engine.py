@@ -255,7 +255,8 @@ class PipelineEngine:
                 lambda: shard_stage(module, tp, config.tp_policy, groups.tensor, groups.pipe, device), device
             )
         self._inputs_checked = tp == 1
-        self.p2p = P2P(self.device)
+        self.p2p = P2P(self.device, stages={r: s for s, r in enumerate(self.grid.pipe_ranks(self.grid.dp_rank,
+                                                                                         self.grid.tp_rank))})
         self.zero: StageSharding | None = None
         """ZeRO-2/3 engines of this rank's stage(s); see [Note: ZeRO inside a pipeline stage]."""
         self._sync_replicas()

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zlightning._watchdog import TransferTimeoutError, wait_for
+
 __all__ = ["Incoming", "IncomingGrads", "P2P", "TensorMeta", "flatten", "unflatten"]
 
 
@@ -224,6 +226,10 @@ class P2P:
     """Packed send buffers in flight; back to ``_spare`` once their send completed (``wait``)."""
     _spare: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Reusable packed send buffers by size; see [Note: reused send buffers]."""
+    stages: dict[int, int] = field(default_factory=dict)
+    """Pipeline stage of each peer rank (named in errors); see [Note: a stage that waits forever]."""
+    _received: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Receives of this batch per (kind, peer): which micro-batch a wait is for."""
 
     @property
     def can_post_ahead(self) -> bool:
@@ -241,6 +247,22 @@ class P2P:
             return
         work = dist.isend(t, dst, group=self.group, tag=tag)
         self._pending.append((work, t))  # keep the buffer alive until the send completes
+
+    def _what(self, kind: str, peer: int) -> str:
+        """What a receive waits for, for errors: ``the gradients (RECV_B) of micro-batch #2 from stage 1 (rank 1)``."""
+        n = self._received.get((kind, peer), 0)
+        self._received[(kind, peer)] = n + 1
+        who = f"pipeline stage {self.stages[peer]} (rank {peer})" if peer in self.stages else f"rank {peer}"
+        return f"the {kind} of this batch's micro-batch #{n} on that channel from {who}"
+
+    def _wait(self, work: Any, what: str) -> None:
+        """[Note: a stage that waits forever]
+        A stage whose peer stopped sending (stuck in its loss, in a data loader, or running a different schedule)
+        would wait for the process group's timeout (30 minutes by default). Every wait here goes through the
+        watchdog (``zlightning/_watchdog.py``): after ``ZLIGHTNING_WATCHDOG_TIMEOUT_S`` seconds the stage raises
+        `TransferTimeoutError` naming the peer stage and rank, the action (RECV_F/RECV_B/SEND), the micro-batch,
+        and where the peer's main thread is; a peer that died is named with how it ended (`PeerFailureError`)."""
+        wait_for(work, what=what, sliced=False, hang_error=TransferTimeoutError, point_to_point=self.can_post_ahead)
 
     def _send_buffer(self, size: int) -> torch.Tensor:
         """[Note: reused send buffers]
@@ -292,15 +314,16 @@ class P2P:
             incoming = self.start_recv(src)
         elif incoming.src != src:
             raise AssertionError(f"receive posted ahead from rank {incoming.src} used for rank {src}")
-        incoming.work.wait()
+        what = self._what("activations (RECV_F)", src)
+        self._wait(incoming.work, what)
         buf = incoming.buf
         n = int(buf[:8].view(torch.int64).item())
         if n:  # the description changed: this message was void
             blob = torch.empty(n, dtype=torch.uint8, device=self.device)
-            dist.recv(blob, src, group=self.group, tag=_TAG_META)
+            self._wait(dist.irecv(blob, src, group=self.group, tag=_TAG_META), what)
             self._recv_meta[src] = pickle.loads(blob.cpu().numpy().tobytes())
             buf = torch.empty(_message_size(self._recv_meta[src]), dtype=torch.uint8, device=self.device)
-            dist.recv(buf, src, group=self.group, tag=_TAG_ACT)
+            self._wait(dist.irecv(buf, src, group=self.group, tag=_TAG_ACT), what)
         if src not in self._recv_meta:
             raise AssertionError(f"first transfer from rank {src} came without metadata")
         skeleton, metas = self._recv_meta[src]
@@ -331,8 +354,9 @@ class P2P:
             incoming = self.start_recv_grads(metas, src)
         elif incoming.src != src:
             raise AssertionError(f"gradient receive posted ahead from rank {incoming.src} used for rank {src}")
+        what = self._what("gradients (RECV_B)", src)
         for work, _ in incoming.bufs:
-            work.wait()
+            self._wait(work, what)
         return [buf for _, buf in incoming.bufs]
 
     def wait(self) -> None:
@@ -340,8 +364,9 @@ class P2P:
         if self._sender is not None:
             self._pending += self._sender.drain()
         for work, _ in self._pending:
-            work.wait()
+            self._wait(work, "its sends to the neighbouring stages (SEND_F/SEND_B) to complete")
         self._pending.clear()
+        self._received.clear()
         for buf in self._packed:
             self._spare.setdefault(buf.numel(), []).append(buf)
         self._packed.clear()

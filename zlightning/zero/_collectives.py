@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from zlightning._watchdog import wait_for
+
 __all__ = ["CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into"]
 
 
@@ -52,8 +54,8 @@ class CommHandle:
     sources: tuple[torch.Tensor, ...] = field(default=())  # inputs kept alive until the collective completes
 
     def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
+        for work in self.works:  # see [Note: diverging collectives] in zlightning/_watchdog.py
+            wait_for(work, sliced=self.output.device.type == "cpu")
         self.works = []
         if self.stream is not None:
             torch.cuda.current_stream(self.output.device).wait_stream(self.stream)
@@ -73,7 +75,7 @@ def _issue(stream: torch.cuda.Stream | None, inputs: tuple[torch.Tensor, ...]) -
 
 def _finish(works: list[dist.Work | None], output: torch.Tensor, stream: torch.cuda.Stream | None,
             sources: tuple[torch.Tensor, ...], async_op: bool) -> CommHandle:
-    handle = CommHandle([w for w in works if w is not None] if async_op else [], output, stream, sources)
+    handle = CommHandle([w for w in works if w is not None], output, stream, sources)  # sync device ops: None
     if not async_op:
         handle.wait()
     return handle
@@ -93,8 +95,8 @@ def all_gather_into(
     rank = dist.get_rank(group)
     chunks = output.chunk(world)
     if output.device.type == "cpu":
-        works = [dist.broadcast(c, group=group, group_src=r, async_op=async_op) for r, c in enumerate(chunks)]
-        return _finish(works, output, None, (output,), async_op)
+        works = [dist.broadcast(c, group=group, group_src=r, async_op=True) for r, c in enumerate(chunks)]
+        return _finish(works, output, None, (output,), async_op)  # waited through the watchdog when synchronous
     ctx = _issue(stream, (output,))
     if ctx is None:
         works = [dist.all_gather_into_tensor(output, chunks[rank], group=group, async_op=async_op)]
@@ -122,8 +124,8 @@ def reduce_scatter_into(
     rank = dist.get_rank(group)
     chunks = full.chunk(world)
     if full.device.type == "cpu":
-        works = [dist.reduce(c, group=group, group_dst=r, async_op=async_op) for r, c in enumerate(chunks)]
-        return _finish(works, chunks[rank], None, (full,), async_op)
+        works = [dist.reduce(c, group=group, group_dst=r, async_op=True) for r, c in enumerate(chunks)]
+        return _finish(works, chunks[rank], None, (full,), async_op)  # waited through the watchdog when synchronous
     if output is None:
         raise AssertionError("reduce_scatter_into: a device reduce-scatter needs an output tensor")
     ctx = _issue(stream, (output, full))

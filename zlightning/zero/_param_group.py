@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from zlightning.zero._buffers import StoragePool
+from zlightning._watchdog import record_collective
 from zlightning.zero._collectives import CommHandle, CommStreams, all_gather_into, reduce_scatter_into
 from zlightning.zero._param import ZeroParam
 
@@ -195,6 +196,7 @@ class ZeroParamGroup:
             if offload is not None:
                 offload.after_gather(self)
         else:
+            record_collective("all-gather", self)  # see [Note: diverging collectives] in zlightning/_watchdog.py
             self._handle = all_gather_into(
                 buffer, self.state.process_group, async_op=async_op, stream=streams.all_gather
             )
@@ -294,6 +296,7 @@ class ZeroParamGroup:
         if flat.tensor.device.type != "cpu":  # devices reduce into a separate output; see _collectives.py
             held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
             out = held[-1].tensor
+        record_collective("reduce-scatter", self)
         handle = reduce_scatter_into(flat.tensor, self.state.process_group, async_op=async_op, output=out,
                                      stream=self.state.streams.reduce_scatter)
         return PendingReduce(self, handle, held)

@@ -49,6 +49,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from zlightning.zero._buffers import StoragePool
+from zlightning._watchdog import watch_engine
 from zlightning.zero._collectives import CommStreams
 from zlightning.zero._config import ZeroConfig, dtype_from_name
 from zlightning.zero._host_memory import pin_mmap_threshold, use_host_cache
@@ -152,6 +153,7 @@ class ZeroState:
             # swap files never outlive the engine (which lives as long as its module)
             weakref.finalize(self, close_swap_files, self.offload.swappers(), list(self.offload.folders))
         _ENGINES[id(root)] = self
+        watch_engine(self)  # names its collectives for the watchdog (see zlightning/_watchdog.py)
 
     # ================================================================ construction
     def _build(self, unit_policy: UnitPolicy | None) -> None:
