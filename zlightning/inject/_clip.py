@@ -3,20 +3,21 @@
 A tensor-parallel layer holds a different slice of some parameters on every TP rank (`ColumnParallelLinear`'s
 weight and bias, `RowParallelLinear`'s weight, `HiddenParallelEmbedding`'s table: their ``tp_split`` names) and the
 same full copy of every other parameter (norms, row-parallel biases, replicated Linears). The full model's gradient
-norm sums the slices over the TP group and counts each replicated parameter once; see [Note: global norm with model
-parallelism] in ``zlightning/zero/_optimizer.py``, which implements the ZeRO-3 case (``ZeroState.model_parallel``,
-built by `tp_model_parallel_grads`). `clip_grad_norm_tp_` is the same rule for a model that is not ZeRO-sharded.
+norm sums the slices over the TP group and counts each replicated parameter once (see [Note: global norm over shards
+and model-parallel groups] in ``zlightning/_gradnorm.py``); the ZeRO-3 engine applies the same rule through
+``ZeroState.model_parallel`` (built by `tp_model_parallel_grads`). `clip_grad_norm_tp_` is it for a model that is not
+ZeRO-sharded.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zlightning import _gradnorm
 from zlightning.inject._layers import ColumnParallelLinear, HiddenParallelEmbedding, RowParallelLinear
 from zlightning.zero import ModelParallelGrads
 
@@ -47,15 +48,6 @@ def tp_model_parallel_grads(model: nn.Module, tp_group: dist.ProcessGroup) -> Mo
     return ModelParallelGrads(group=tp_group, split=tp_split_names(model))
 
 
-def _term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``max |g|`` or ``sum |g|^p`` over ``grads`` (float32 scalar on ``device``)."""
-    if not grads:
-        return torch.zeros((), device=device)
-    if norm_type == math.inf:
-        return torch.stack([g.detach().abs().max().float().to(device) for g in grads]).max()
-    return torch.stack([g.detach().float().norm(norm_type).to(device) for g in grads]).pow(norm_type).sum()
-
-
 def clip_grad_norm_tp_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
                        tp_group: dist.ProcessGroup, parameters: Iterable[nn.Parameter] | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a tensor-parallel model that is not ZeRO-sharded (TP alone, or TP
@@ -79,15 +71,10 @@ def clip_grad_norm_tp_(model: nn.Module, max_norm: float, norm_type: float = 2.0
     split_names = tp_split_names(model)
     split_ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in split_names}
     params = list(model.parameters() if parameters is None else parameters)
-    grads = [(p.grad, id(p) in split_ids) for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
+    split = [p.grad for p in params if p.grad is not None and id(p) in split_ids]
+    replicated = [p.grad for p in params if p.grad is not None and id(p) not in split_ids]
     device = next((p.device for p in params), torch.device("cpu"))
-    terms = torch.stack([_term([g for g, s in grads if s], norm_type, device),
-                         _term([g for g, s in grads if not s], norm_type, device)])
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    dist.all_reduce(terms, op=op, group=tp_group)
-    size = dist.get_world_size(tp_group)
-    total = terms.max() if norm_type == math.inf else (terms[0] + terms[1] / size).pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_([g for g, _ in grads], coef)
+    total = _gradnorm.global_norm(split, replicated, norm_type, model_parallel=tp_group, device=device)
+    _gradnorm.clip_(grads, total, max_norm)
     return total

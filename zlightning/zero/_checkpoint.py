@@ -5,7 +5,8 @@ A full state dict has the same keys, shapes and dtypes as the unsharded model's 
 one the same structure as a single-process ``optimizer.state_dict()``, so a checkpoint written at one world size
 loads at any other and loads into the plain model without zlightning. Gathering is collective (every rank calls;
 ``rank0_only`` keeps the result on rank 0) and walks one group at a time, so peak extra memory is one full model copy
-on the receiving rank plus one group. Sharded, streaming formats are a later issue's job.
+on the receiving rank plus one group. To write full weights without holding them, see ``_export.py``
+(``save_full_state_dict``); sharded checkpoints are ``_sharded_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _gather_flat(group: ZeroParamGroup, local: torch.Tensor) -> torch.Tensor:
     if group.world == 1:
         out.copy_(local)
     else:
-        dist.all_gather_single(out, local.contiguous(), group=group.state.process_group)
+        dist.all_gather_single(out, local.contiguous(), group=group.context.process_group)
     return out
 
 

@@ -323,9 +323,10 @@ def _non_param_entries(state: ZeroState) -> dict[str, torch.Tensor]:
 
 
 def save_full_state_dict(
-    state: ZeroState, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+    module: nn.Module | ZeroState, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
 ) -> Path | None:
-    """Writes the unsharded model's ``state_dict()`` to ``path`` on rank 0, streaming (collective).
+    """Writes the unsharded model's ``state_dict()`` to ``path`` on rank 0, streaming (collective). ``module`` is
+    the sharded module (the one ``zero3_shard`` or the strategy sharded) or its engine.
 
     The file loads with ``model.load_state_dict(torch.load(path))`` into the plain model (``.safetensors``: with
     ``safetensors.torch.load_file``). No rank ever holds more than one gathered group beyond its shards, so this
@@ -334,6 +335,7 @@ def save_full_state_dict(
     Returns:
         The path on rank 0, None on the other ranks.
     """
+    state = _engine(module)
     extra = _non_param_entries(state)
     order = list(state.root.state_dict().keys())
     cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)

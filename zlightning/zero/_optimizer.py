@@ -1,19 +1,7 @@
 """Optimizer-side pieces of ZeRO-3: attaching a user optimizer, global gradient norm and clipping, fp16 dynamic loss
 scaling, the memory report, and ``DeepSpeedZeroOptimizer_Stage3`` for use without Lightning.
 
-[Note: global norm over shards]
-Every element of a full gradient lives in exactly one rank's piece (padding belongs to no piece), so the global L2
-norm is ``sqrt(all_reduce_sum(local sum of squares))``. Clipping then scales every local piece by the same factor,
-which is exactly what ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model.
-
-[Note: global norm with model parallelism]
-With tensor parallelism (``ZeroState.model_parallel``) the engine's group is only the data-parallel group of a
-DP x TP grid. A parameter is then either *split* across the model-parallel group (each TP rank holds a different
-slice, which ZeRO shards further over DP) or *replicated* on it (norms, row-parallel biases: identical values and
-gradients on every TP rank). Each rank sums ``|g|^p`` of its pieces into two terms ``[split, replicated]``; one
-all-reduce over the DP group and one over the TP group then give ``[S, tp * R]`` on every rank, and the norm is
-``(S + R)^(1/p)``: split slices are summed, replicated copies counted once. Both reductions give every member the
-same values, so the clip coefficient is identical on all ranks of the grid. The inf norm is a MAX of both terms.
+The global norm over shards (and a model-parallel group) is ``zlightning/_gradnorm.py``'s.
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zlightning import _gradnorm
 from zlightning.zero._checkpoint import (
     full_optim_state_dict,
     full_state_dict,
@@ -81,18 +70,13 @@ def _grads(pieces: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in pieces if p.grad is not None and p.grad.numel() > 0]
 
 
-def _all_reduce(t: torch.Tensor, state: ZeroState, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    if state.world_size > 1:
-        dist.all_reduce(t, op=op, group=state.process_group)
-    return t
-
-
 @dataclass(frozen=True)
 class ModelParallelGrads:
     """Which parameters a model-parallel group (tensor parallelism) splits beyond the engine's data-parallel group.
 
     Set it as ``ZeroState.model_parallel``; `global_grad_norm`, `clip_grad_norm_` and the fp16 overflow check then
-    reduce over both groups. See [Note: global norm with model parallelism].
+    reduce over both groups. See [Note: global norm over shards and model-parallel groups] in
+    ``zlightning/_gradnorm.py``.
 
     Raises:
         ValueError: ``group`` is None.
@@ -117,58 +101,42 @@ class ModelParallelGrads:
         return zp is not None and not self.split.isdisjoint(zp.fqns)
 
 
-def _norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``max |g|`` (inf norm) or ``sum |g|^p`` over ``grads``, as a float32 scalar on ``device``."""
-    if not grads:
-        return torch.zeros((), device=device)
-    if norm_type == math.inf:
-        return torch.stack([g.detach().abs().max().float() for g in grads]).max().to(device)
-    norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
-    return torch.stack(norms).pow(norm_type).sum().to(device)
+def _split_grads(state: ZeroState, pieces: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(split, replicated)`` local gradients: split across the model-parallel group, or replicated on it."""
+    mp = state.model_parallel
+    split = [mp is not None and mp.is_split(state, p) for p in pieces]
+    return _grads(p for p, s in zip(pieces, split) if s), _grads(p for p, s in zip(pieces, split) if not s)
 
 
 def global_grad_norm(state: ZeroState, pieces: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the full gradient across all ranks' pieces (``inf`` norm supported). Collective over the engine's
-    group and, with ``state.model_parallel``, its model-parallel group (see [Note: global norm with model
-    parallelism])."""
-    pieces = list(pieces)
+    group and, with ``state.model_parallel``, its model-parallel group (see [Note: global norm over shards and
+    model-parallel groups] in ``zlightning/_gradnorm.py``)."""
+    split, replicated = _split_grads(state, list(pieces))
     mp = state.model_parallel
-    split = [mp is not None and mp.is_split(state, p) for p in pieces]
-    terms = torch.stack([
-        _norm_term(_grads(p for p, s in zip(pieces, split) if s), norm_type, state.device),
-        _norm_term(_grads(p for p, s in zip(pieces, split) if not s), norm_type, state.device),
-    ])
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    _all_reduce(terms, state, op)
-    if mp is not None and mp.size > 1:
-        dist.all_reduce(terms, op=op, group=mp.group)
-    if norm_type == math.inf:
-        return terms.max()
-    return (terms[0] + terms[1] / (mp.size if mp is not None else 1)).pow(1.0 / norm_type)
+    return _gradnorm.global_norm(
+        split, replicated, norm_type, partitioned_over=[state.process_group], device=state.device,
+        model_parallel=mp.group if mp is not None else None,
+    )
 
 
 def clip_grad_norm_(state: ZeroState, pieces: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clips the full gradient to ``max_norm`` like ``torch.nn.utils.clip_grad_norm_``; returns the total norm."""
     pieces = list(pieces)
+    if state.offload is not None:  # see [Note: optimizer steps in backward] in _offload_optimizer.py
+        state.offload.check_gradients_unapplied("gradient clipping")
     total = global_grad_norm(state, pieces, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = _grads(pieces)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    _gradnorm.clip_(_grads(pieces), total, max_norm)
     return total
 
 
 def unscale_and_check_(state: ZeroState, pieces: Iterable[torch.Tensor], inv_scale: float) -> bool:
-    """Multiplies gradients by ``inv_scale`` and returns whether any rank saw inf/NaN. Collective."""
-    grads = _grads(pieces)
-    found = torch.zeros(1, device=state.device)
-    if grads:
-        torch._foreach_mul_(grads, inv_scale)
-        found += float(not all(torch.isfinite(g).all().item() for g in grads))
-    _all_reduce(found, state, dist.ReduceOp.MAX)
-    if state.model_parallel is not None:  # a TP peer's overflow must skip the step on every rank of the grid
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=state.model_parallel.group)
-    return bool(found.item() > 0)
+    """Multiplies gradients by ``inv_scale`` and returns whether any rank saw inf/NaN. Collective (a TP peer's
+    overflow skips the step on every rank of the grid too)."""
+    if state.offload is not None:  # see [Note: optimizer steps in backward] in _offload_optimizer.py
+        state.offload.check_gradients_unapplied("fp16 unscaling and the overflow check")
+    groups = [state.process_group] + ([state.model_parallel.group] if state.model_parallel is not None else [])
+    return _gradnorm.unscale_and_check_(_grads(pieces), inv_scale, groups, device=state.device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -371,6 +339,8 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         # Stage 1 reduces once per accumulation window: see ZeroConfig.stage.
         boundary = self._micro_steps % self.gradient_accumulation_steps == 0
         self.state.gradient_sync = self.state.config.stage != 1 or boundary
+        if isinstance(self.optimizer, OffloadedAdam):  # the update may run in this backward when nothing comes between
+            self.optimizer.step_in_next_backward(boundary and self.scaler is None and self.gradient_clipping == 0)
         (loss * (self.loss_scale / self.gradient_accumulation_steps)).backward(retain_graph=retain_graph)
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:

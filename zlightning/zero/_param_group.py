@@ -24,7 +24,9 @@ pieces' ``.grad`` (see ``ZeroState`` for the unused-parameter protocol).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,16 +36,44 @@ from zlightning._watchdog import record_collective
 from zlightning.zero._collectives import CommHandle, CommStreams, all_gather_into, reduce_scatter_into
 from zlightning.zero._param import ZeroParam
 
-if TYPE_CHECKING:
-    from zlightning.zero._state import ZeroState
-
-__all__ = ["GroupState", "PendingReduce", "ZeroParamGroup"]
+__all__ = ["GroupContext", "GroupState", "PendingReduce", "ZeroParamGroup", "persistent_indices", "split_by_kind"]
 
 
 class GroupState(enum.Enum):
     SHARDED = "sharded"  # only the local shard exists
     GATHERING = "gathering"  # an all-gather into the buffer is in flight
     UNSHARDED = "unsharded"  # the buffer holds the full parameters
+
+
+class GatherHooks(Protocol):
+    """Called around a group's all-gather (parameter offload reads the shard from disk before, drops it after)."""
+
+    def before_gather(self, group: ZeroParamGroup) -> None: ...
+
+    def after_gather(self, group: ZeroParamGroup) -> None: ...
+
+
+@dataclass
+class GroupContext:
+    """What a group needs from its engine: where it lives, whom it talks to, and whom it tells (as FSDP2's
+    ``FSDPParamGroup`` takes its mesh info and policies). One per engine, shared by its groups."""
+
+    process_group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    global_src: int
+    """Global rank of the group's rank 0 (the source of broadcasts)."""
+    device: torch.device
+    streams: CommStreams
+    pool: StoragePool
+    broadcast_init: bool
+    """Take rank 0's values at construction (``sync_module_states`` on a materialised model)."""
+    initial_value: Callable[[ZeroParam], torch.Tensor] | None
+    """Full initial value of a meta-device parameter (sharded initialisation), None when nothing is on meta."""
+    on_gradients: Callable[[ZeroParamGroup, tuple[torch.Tensor | None, ...]], None]
+    """Called by the group's autograd function once the full gradients of one use of the group exist."""
+    offload: GatherHooks | None = None
+    """Set once the engine's parameter offload exists."""
 
 
 class _UnshardFn(torch.autograd.Function):
@@ -57,7 +87,7 @@ class _UnshardFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
-        ctx.group.state.post_backward(ctx.group, grads)
+        ctx.group.context.on_gradients(ctx.group, grads)
         return (None,) * (len(grads) + 1)
 
 
@@ -96,7 +126,7 @@ class ZeroParamGroup:
     """Owns a flat fp32 shard, its gradient, and the unsharded buffer of a set of parameters."""
 
     params: list[ZeroParam]
-    state: ZeroState
+    context: GroupContext
     persistent: bool  # stays gathered between uses (small parameters)
     requires_grad: bool
     numel: int  # T: unpadded total
@@ -108,19 +138,19 @@ class ZeroParamGroup:
     stale: bool  # gathered data predates the last optimizer step
 
     def __init__(
-        self, params: list[ZeroParam], state: ZeroState, *, persistent: bool, param_dtype: torch.dtype | None
+        self, params: list[ZeroParam], context: GroupContext, *, persistent: bool, param_dtype: torch.dtype | None
     ) -> None:
         self.params = params
-        self.state = state
+        self.context = context
         self.persistent = persistent
         self.requires_grad = params[0].requires_grad
         self.master_dtype = params[0].dtype
         self.param_dtype = param_dtype if (param_dtype is not None and self.master_dtype.is_floating_point) else self.master_dtype
-        self.world = state.world_size
-        self.rank = state.rank
+        self.world = context.world
+        self.rank = context.rank
         self.numel = sum(p.numel for p in params)
         self.shard_numel = -(-self.numel // self.world)
-        self.device = state.device
+        self.device = context.device
         self.grad = None
         self.status = GroupState.SHARDED
         self.stale = False
@@ -142,12 +172,13 @@ class ZeroParamGroup:
         for p in self.params:
             p.place(offset, start, end)
             offset += p.numel
-        if self.state.sync_module_states and self.world > 1 and not self.state.meta_init:
+        ctx = self.context
+        if ctx.broadcast_init and self.world > 1:
             # Everyone takes rank 0's values: build the whole flat layout once and broadcast it.
             flat = torch.zeros(self.world * self.shard_numel, dtype=self.master_dtype, device=self.device)
             for p in self.params:
                 flat[p.offset : p.offset + p.numel].copy_(p.original.detach().reshape(-1))
-            dist.broadcast(flat, src=self.state.global_src, group=self.state.process_group)
+            dist.broadcast(flat, src=ctx.global_src, group=ctx.process_group)
             self.shard = flat[start:end].clone()
             del flat
         else:
@@ -155,7 +186,9 @@ class ZeroParamGroup:
             self.shard = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.device)
             for p in self.params:
                 if p.local_numel:
-                    value = self.state.initial_value(p) if p.original.is_meta else p.original.detach()
+                    if p.original.is_meta and ctx.initial_value is None:
+                        raise AssertionError(f"{p.fqn} is on the meta device but the engine has no initialiser")
+                    value = ctx.initial_value(p) if p.original.is_meta else p.original.detach()  # type: ignore[misc]
                     self.shard[p.local_start - start : p.local_end - start].copy_(p.local_slice_of(value))
         for p in self.params:
             p.bind_piece(self.shard, start)
@@ -176,20 +209,20 @@ class ZeroParamGroup:
 
     @property
     def pool(self) -> StoragePool:
-        return self.state.pool
+        return self.context.pool
 
     # ---------------------------------------------------------------- all-gather
     def start_gather(self, async_op: bool) -> None:
         """SHARDED -> GATHERING (or UNSHARDED when synchronous). No-op if already gathered or gathering."""
         if self.status is not GroupState.SHARDED:
             return
-        offload = self.state.offload
+        offload = self.context.offload
         if offload is not None:
             offload.before_gather(self)  # the shard may live on disk: see _offload_params.py
         self._lent = self.pool.lend_into(self.storage, self.unsharded_bytes)
         buffer = self.buffer
         buffer[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel].copy_(self.shard)  # casts
-        streams: CommStreams = self.state.streams
+        streams: CommStreams = self.context.streams
         if self.world == 1:
             self._handle = None
             self.status = GroupState.UNSHARDED
@@ -198,7 +231,7 @@ class ZeroParamGroup:
         else:
             record_collective("all-gather", self)  # see [Note: diverging collectives] in zlightning/_watchdog.py
             self._handle = all_gather_into(
-                buffer, self.state.process_group, async_op=async_op, stream=streams.all_gather
+                buffer, self.context.process_group, async_op=async_op, stream=streams.all_gather
             )
             self.status = GroupState.GATHERING
         self.stale = False
@@ -212,8 +245,8 @@ class ZeroParamGroup:
             if handle is not None:
                 handle.wait()
             self.status = GroupState.UNSHARDED
-            if self.state.offload is not None:
-                self.state.offload.after_gather(self)
+            if self.context.offload is not None:
+                self.context.offload.after_gather(self)
 
     def unshard(self) -> None:
         """Ensures the full parameters are in the buffer and current (re-gathers after an optimizer step)."""
@@ -297,8 +330,8 @@ class ZeroParamGroup:
             held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
             out = held[-1].tensor
         record_collective("reduce-scatter", self)
-        handle = reduce_scatter_into(flat.tensor, self.state.process_group, async_op=async_op, output=out,
-                                     stream=self.state.streams.reduce_scatter)
+        handle = reduce_scatter_into(flat.tensor, self.context.process_group, async_op=async_op, output=out,
+                                     stream=self.context.streams.reduce_scatter)
         return PendingReduce(self, handle, held)
 
     def accumulate(self, reduced: torch.Tensor) -> None:
@@ -341,3 +374,28 @@ def _is_view_of(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and (
         a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     )
+
+
+def persistent_indices(params: list[ZeroParam], stage: int, param_threshold: int, model_threshold: int | None) -> set[int]:
+    """Indices of the small parameters that stay gathered between uses, smallest first, within ``model_threshold``
+    elements in total (None: 1% of the model). At stages 1 and 2 every parameter stays gathered (replicated)."""
+    if stage < 3:
+        return {zp.index for zp in params}
+    cap = sum(zp.numel for zp in params) // 100 if model_threshold is None else model_threshold
+    chosen: set[int] = set()
+    total = 0
+    for zp in sorted((zp for zp in params if zp.numel <= param_threshold), key=lambda z: (z.numel, z.index)):
+        if total + zp.numel > cap:
+            break
+        chosen.add(zp.index)
+        total += zp.numel
+    return chosen
+
+
+def split_by_kind(params: list[ZeroParam]) -> list[list[ZeroParam]]:
+    """One group per (dtype, requires_grad), in first-seen order: a collective needs one dtype, and frozen
+    parameters need no reduce-scatter."""
+    kinds: dict[tuple[torch.dtype, bool], list[ZeroParam]] = {}
+    for zp in params:
+        kinds.setdefault((zp.dtype, zp.requires_grad), []).append(zp)
+    return list(kinds.values())

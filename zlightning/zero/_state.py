@@ -7,13 +7,13 @@ the first unit used outside one. Each pass records the order in which units ran;
 order and backward prefetches in reverse. The recorded order is a hint: a unit that runs out of order is gathered on
 demand (correct, just not overlapped), never an error.
 
-[Note: sharded initialisation]
-A model built on the meta device (Lightning's ``configure_model`` under the strategy, or ``torch.device("meta")``)
-costs no memory. Each group then materialises, one module at a time, only the parameters it needs: the module's own
-parameters are allocated, initialised by ``param_init_fn(module)`` or ``module.reset_parameters()`` under a seed
-derived from the run's seed and the module's qualified name, copied into the group's flat layout, and dropped. Values
-depend on the seed and the names only, so every world size starts from the same model; peak memory is one group's
-flat layout (one unit), not the model.
+[Note: training states]
+The engine is in one `TrainingState` at a time, and every move goes through ``_to`` which raises on a move the
+protocol does not allow (a bug, not user input): IDLE (between passes: only persistent groups may be gathered),
+FORWARD (a pass is open: root and units gather on use; with grad enabled the pass stays open after the forward
+returns, until its backward ends), BACKWARD (the end-of-backward callback is queued; units re-run for activation
+checkpointing stay in it), PAUSED (hooks are no-ops while a caller installed full parameters itself:
+``summon_full_params``) and SUSPENDED (hooks removed: a compiled graph gathers and releases instead).
 
 [Note: unused parameters]
 A reduce-scatter must be issued by every rank in the same order, so each group that took part in the forward with
@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
+import enum
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,15 +53,24 @@ from zlightning._watchdog import watch_engine
 from zlightning.zero._collectives import CommStreams
 from zlightning.zero._config import ZeroConfig, dtype_from_name
 from zlightning.zero._host_memory import pin_mmap_threshold, use_host_cache
+from zlightning.zero._init import ParamInitFn, ShardedInit
 from zlightning.zero._offload import ZeroOffload, close_swap_files
 from zlightning.zero._param import ZeroParam
-from zlightning.zero._param_group import FlatGradient, GroupState, PendingReduce, ZeroParamGroup
-from zlightning.zero._unit import UnitPolicy, ZeroUnit, select_unit_modules
+from zlightning.zero._param_group import (
+    FlatGradient,
+    GroupContext,
+    GroupState,
+    PendingReduce,
+    ZeroParamGroup,
+    persistent_indices,
+    split_by_kind,
+)
+from zlightning.zero._unit import UnitPolicy, ZeroUnit, assign_owners, deepest_common_unit, select_unit_modules
 
 if TYPE_CHECKING:
     from zlightning.zero._optimizer import ModelParallelGrads
 
-__all__ = ["ParamInitFn", "ZeroState", "engine_of"]
+__all__ = ["ParamInitFn", "TrainingState", "ZeroState", "engine_of"]
 
 _ENGINES: weakref.WeakValueDictionary[int, ZeroState] = weakref.WeakValueDictionary()
 """``id(root module)`` -> the engine that shards it (see `engine_of`). Weak: the module's hooks keep its engine
@@ -73,8 +82,25 @@ def engine_of(module: nn.Module) -> ZeroState | None:
     engine = _ENGINES.get(id(module))
     return engine if engine is not None and engine.root is module else None
 
-ParamInitFn = Callable[[nn.Module], None]
-"""Initialises one module's own (non-recursive) parameters in place, like ``nn.Linear.reset_parameters``."""
+
+class TrainingState(enum.Enum):
+    """Where the engine is in the step protocol (see [Note: training states])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    PAUSED = "paused"
+    SUSPENDED = "suspended"
+
+
+_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
+    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.PAUSED,
+                                   TrainingState.SUSPENDED}),
+    TrainingState.FORWARD: frozenset({TrainingState.IDLE, TrainingState.FORWARD, TrainingState.BACKWARD}),
+    TrainingState.BACKWARD: frozenset({TrainingState.IDLE}),
+    TrainingState.PAUSED: frozenset({TrainingState.IDLE}),
+    TrainingState.SUSPENDED: frozenset({TrainingState.IDLE}),
+}
 
 
 class ZeroState:
@@ -115,17 +141,15 @@ class ZeroState:
         if self.device.type == "cpu" and config.host_mmap_threshold is not None:
             pin_mmap_threshold(config.host_mmap_threshold)
         self.meta_init = any(p.is_meta for p in root.parameters())
-        self.param_init_fn = param_init_fn
-        self._init_seed = self._shared_seed() if self.meta_init else 0
-        self._init_cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._init = ShardedInit(self.device, param_init_fn, process_group, self.global_src) if self.meta_init else None
         self.streams = CommStreams(self.device)
         self.params: list[ZeroParam] = []
         self.units: list[ZeroUnit] = []
         self.groups: list[ZeroParamGroup] = []
         self._by_piece: dict[int, ZeroParam] = {}
-        # pass and backward bookkeeping
+        # pass and backward bookkeeping (see [Note: training states])
+        self.training_state = TrainingState.IDLE
         self._pass_id = 0
-        self._pass_open = False
         self._depth = 0
         self._order: list[ZeroUnit] = []
         self._last_pos: dict[int, int] = {}
@@ -133,23 +157,28 @@ class ZeroState:
         self._pending: collections.deque[PendingReduce] = collections.deque()
         self._pending_numel = 0
         self._used = torch.zeros(0)
-        self._reduced_this_backward = False
-        self._callback_queued = False
+        self._reduces_before_backward = 0
         self.gradient_sync = True  # False: accumulate full gradients locally, reduce on the next synced backward
         self.reduce_scatters = 0  # issued so far (a statistic for tests and reports)
         self._root_handles: list[Any] = []
-        self._hooks_suspended = False  # see suspend_module_hooks
-        self._hooks_paused = False  # see paused_hooks
         self.optimizer_hooks: list[Any] = []  # step post-hooks of attached optimizers
         self.offload: ZeroOffload | None = None
         # set by tensor parallelism (see ModelParallelGrads in _optimizer.py): gradient norms also reduce over it
         self.model_parallel: ModelParallelGrads | None = None
         self.pool = StoragePool(self.device, idle_limit=0)  # see [Note: why the engine pools its step buffers]
+        self.group_context = GroupContext(
+            process_group=process_group, rank=self.rank, world=self.world_size, global_src=self.global_src,
+            device=self.device, streams=self.streams, pool=self.pool,
+            broadcast_init=self.sync_module_states and not self.meta_init,
+            initial_value=self._init.initial_value if self._init is not None else None,
+            on_gradients=self.post_backward,
+        )
         self._build(unit_policy)
         self.prefetch_budget, self.reduce_budget = self._budgets()
         self.pool.idle_limit = self._pool_limit()
         if config.offload_optimizer is not None or config.offload_params is not None:
             self.offload = ZeroOffload(self)  # see [Note: what is offloaded where] in _offload.py
+            self.group_context.offload = self.offload
             # swap files never outlive the engine (which lives as long as its module)
             weakref.finalize(self, close_swap_files, self.offload.swappers(), list(self.offload.folders))
         _ENGINES[id(root)] = self
@@ -164,24 +193,24 @@ class ZeroState:
         unit_mods = select_unit_modules(self.root, self.config.unit_modules, unit_policy)
         self.units = [ZeroUnit(0, "", self.root, self, is_root=True)]
         self.units += [ZeroUnit(i + 1, n, m, self, is_root=False) for i, (n, m) in enumerate(unit_mods)]
-        unit_of_module = {id(u.module): u for u in self.units}
-        owners: dict[int, list[tuple[str, nn.Module, str, list[ZeroUnit]]]] = {}
-        objects: dict[int, nn.Parameter] = {}
-        self._walk(self.root, "", [self.units[0]], unit_of_module, owners, objects)
-        per_unit: dict[int, list[ZeroParam]] = collections.defaultdict(list)
+        owners, objects = assign_owners(self.root, self.units)
         for pid, holders in owners.items():
             zp = ZeroParam(len(self.params), objects[pid], [h[0] for h in holders], [(h[1], h[2]) for h in holders])
             self.params.append(zp)
-        chosen = self._persistent_indices()
-        persistent = [zp for zp in self.params if zp.index in chosen]
+        cfg = self.config
+        chosen = persistent_indices(self.params, cfg.stage, cfg.param_persistence_threshold,
+                                    cfg.model_persistence_threshold)
+        per_unit: dict[int, list[ZeroParam]] = collections.defaultdict(list)
         for zp, holders in zip(self.params, owners.values()):
             if zp.index not in chosen:
-                per_unit[_deepest_common_unit([h[3] for h in holders]).index].append(zp)
+                per_unit[deepest_common_unit([h[3] for h in holders]).index].append(zp)
         for unit in self.units:
-            for params in _split_by_kind(per_unit.get(unit.index, [])):
+            for params in split_by_kind(per_unit.get(unit.index, [])):
                 unit.groups.append(self._new_group(params, persistent=False))
-        self.persistent_groups = [self._new_group(ps, persistent=True) for ps in _split_by_kind(persistent)]
-        self._init_cache = {}
+        persistent = [zp for zp in self.params if zp.index in chosen]
+        self.persistent_groups = [self._new_group(ps, persistent=True) for ps in split_by_kind(persistent)]
+        if self._init is not None:
+            self._init.done()
         meta_buffers = [n for n, b in self.root.named_buffers() if b.is_meta]
         if meta_buffers:
             raise ValueError(
@@ -208,84 +237,6 @@ class ZeroState:
             if m is not self.root:
                 self._root_handles.append(m.register_forward_pre_hook(lambda mod, a: self._ensure_root()))
 
-    # ---------------------------------------------------------------- sharded initialisation
-    def _shared_seed(self) -> int:
-        seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
-        if self.world_size > 1:
-            dist.broadcast(seed, src=self.global_src, group=self.process_group)
-        return int(seed.item())
-
-    def initial_value(self, zp: ZeroParam) -> torch.Tensor:
-        """Full initial value of a meta-device parameter, computed locally (see [Note: sharded initialisation])."""
-        module, name = zp.slots[0]
-        key = id(module)
-        if key not in self._init_cache:
-            self._init_cache = {key: self._init_module(module, _fqn_of(zp, name))}
-        return self._init_cache[key][name]
-
-    def _init_module(self, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-        originals = dict(module._parameters)
-        for n, p in originals.items():
-            if p is not None:
-                module._parameters[n] = nn.Parameter(torch.empty_like(p, device=self.device), p.requires_grad)
-        for n, b in module._buffers.items():
-            if b is not None and b.is_meta:
-                module._buffers[n] = torch.empty_like(b, device=self.device)
-        seed = (self._init_seed * 1_000_003 + _stable_hash(prefix)) % (2**63)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(seed)
-            if self.param_init_fn is not None:
-                self.param_init_fn(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()  # type: ignore[operator]
-            else:
-                raise ValueError(
-                    f"parameters of {prefix or '<root>'} ({type(module).__name__}) are on the meta device but the "
-                    "module has no reset_parameters(): give the ZeRO engine param_init_fn=... (called per module) "
-                    "or build that module outside the sharded-init context"
-                )
-        values = {n: p.detach() for n, p in module._parameters.items() if p is not None}
-        module._parameters.update(originals)  # back to meta; buffers stay materialised
-        return values
-
-    def _persistent_indices(self) -> set[int]:
-        """Small parameters that stay gathered, smallest first, within ``model_persistence_threshold``."""
-        if self.config.stage < 3:  # parameters replicated: every one stays gathered
-            return {zp.index for zp in self.params}
-        cap = self.config.model_persistence_threshold
-        if cap is None:
-            cap = sum(zp.numel for zp in self.params) // 100
-        chosen: set[int] = set()
-        total = 0
-        small = [zp for zp in self.params if zp.numel <= self.config.param_persistence_threshold]
-        for zp in sorted(small, key=lambda z: (z.numel, z.index)):
-            if total + zp.numel > cap:
-                break
-            chosen.add(zp.index)
-            total += zp.numel
-        return chosen
-
-    def _walk(
-        self,
-        module: nn.Module,
-        prefix: str,
-        units: list[ZeroUnit],
-        unit_of_module: dict[int, ZeroUnit],
-        owners: dict[int, list[tuple[str, nn.Module, str, list[ZeroUnit]]]],
-        objects: dict[int, nn.Parameter],
-    ) -> None:
-        for name, p in module._parameters.items():
-            if p is None:
-                continue
-            owners.setdefault(id(p), []).append((f"{prefix}{name}", module, name, list(units)))
-            objects[id(p)] = p
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            child_units = units + [unit_of_module[id(child)]] if id(child) in unit_of_module else units
-            self._walk(child, f"{prefix}{name}.", child_units, unit_of_module, owners, objects)
-
     def _budgets(self) -> tuple[int, int]:
         """Elements of prefetch and of reduce-scatters in flight (see [Note: step budgets from units])."""
         largest = max((u.numel for u in self.units if not u.is_root), default=0) or self.units[0].numel
@@ -300,7 +251,7 @@ class ZeroState:
         return window + sum(g.unsharded_bytes for g in self.groups if g.persistent)
 
     def _new_group(self, params: list[ZeroParam], persistent: bool) -> ZeroParamGroup:
-        group = ZeroParamGroup(params, self, persistent=persistent, param_dtype=self.param_dtype)
+        group = ZeroParamGroup(params, self.group_context, persistent=persistent, param_dtype=self.param_dtype)
         self.groups.append(group)
         return group
 
@@ -311,10 +262,26 @@ class ZeroState:
         compiler that traces through modules uses this to tell the engine's hooks from the user's."""
         return {h.id for h in self._root_handles} | {h.id for u in self.units for h in u._handles}
 
-    @property
-    def module_hooks_suspended(self) -> bool:
-        """True while `suspend_module_hooks` is in effect (a compiled graph gathers and releases instead)."""
-        return self._hooks_suspended
+    def _to(self, new: TrainingState) -> None:
+        """Moves to ``new`` (see [Note: training states]).
+
+        Raises:
+            AssertionError: the protocol does not allow the move (an engine bug, or hooks called out of order).
+        """
+        if new not in _MOVES[self.training_state]:
+            raise AssertionError(f"ZeRO engine: illegal move {self.training_state.name} -> {new.name}")
+        self.training_state = new
+
+    def _pass_open(self) -> bool:
+        return self.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD)
+
+    def _hooks_off(self) -> bool:
+        return self.training_state in (TrainingState.PAUSED, TrainingState.SUSPENDED)
+
+    def _close_pass(self) -> None:
+        """A forward pass without backward is over (FORWARD -> IDLE); nothing to do otherwise."""
+        if self.training_state is TrainingState.FORWARD:
+            self._to(TrainingState.IDLE)
 
     def suspend_module_hooks(self) -> None:
         """Removes the engine's module hooks and makes passes no-ops: for a caller that gathers, releases and
@@ -323,7 +290,7 @@ class ZeroState:
         Raises:
             RuntimeError: a group is gathered (called mid-step) or parameter/optimizer offload is on.
         """
-        if self._hooks_suspended:
+        if self.training_state is TrainingState.SUSPENDED:
             return
         if self.offload is not None:
             raise RuntimeError("suspend_module_hooks: not supported with parameter/optimizer offload (the engine "
@@ -338,9 +305,9 @@ class ZeroState:
         for h in self._root_handles:
             h.remove()
         self._root_handles = []
-        self._pass_open = False
+        self._close_pass()
         self._depth = 0
-        self._hooks_suspended = True
+        self._to(TrainingState.SUSPENDED)
 
     @contextlib.contextmanager
     def full_shape_stand_ins(self) -> Iterator[dict[int, ZeroParam]]:
@@ -361,27 +328,28 @@ class ZeroState:
     @contextlib.contextmanager
     def paused_hooks(self) -> Iterator[None]:
         """The engine's module hooks do nothing inside the block (the caller installed full parameters itself)."""
-        if self._pending:
-            raise RuntimeError("paused_hooks: call it between steps (reduce-scatters are in flight)")
+        if self._pending or self.training_state not in (TrainingState.IDLE, TrainingState.FORWARD):
+            raise RuntimeError(f"paused_hooks: call it between steps (the engine is in {self.training_state.name}"
+                               f"{', reduce-scatters in flight' if self._pending else ''})")
         self.release_all(keep_persistent=False)
-        self._pass_open = False
+        self._close_pass()
         self._depth = 0
-        self._hooks_paused = True
+        self._to(TrainingState.PAUSED)
         try:
             yield
         finally:
-            self._hooks_paused = False
+            self._to(TrainingState.IDLE)
 
     def resume_module_hooks(self) -> None:
         """Undoes `suspend_module_hooks` (the engine gathers and releases around modules again)."""
-        if self._hooks_suspended:
-            self._hooks_suspended = False
+        if self.training_state is TrainingState.SUSPENDED:
+            self._to(TrainingState.IDLE)
             self._register_module_hooks()
 
     # ================================================================ passes and forward hooks
     def begin_pass(self) -> None:
         """Starts a pass (nested calls only count depth): gathers and installs root and persistent groups."""
-        if self._hooks_suspended or self._hooks_paused:
+        if self._hooks_off():
             return
         self._depth += 1
         if self._depth > 1:
@@ -390,14 +358,14 @@ class ZeroState:
         self._ensure_root()
 
     def end_pass(self) -> None:
-        if self._hooks_suspended or self._hooks_paused:
+        if self._hooks_off():
             return
         self._depth = max(self._depth - 1, 0)
         if self._depth > 0:
             return
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and self.training_state is TrainingState.FORWARD:
             self.release_all(keep_persistent=True)
-            self._pass_open = False
+            self._to(TrainingState.IDLE)
 
     @contextlib.contextmanager
     def forward_pass(self) -> Iterator[None]:
@@ -414,12 +382,12 @@ class ZeroState:
             self._last_pos = {id(u): i for i, u in enumerate(self._order)}
         self._order = []
         self._pass_id += 1
-        self._pass_open = True
+        self._to(TrainingState.FORWARD)
 
     def _ensure_root(self) -> None:
-        if self._hooks_paused:
+        if self._hooks_off():
             return
-        if not self._pass_open:
+        if not self._pass_open():
             self._open_pass()
         for g in self.units[0].groups + self.persistent_groups:
             g.unshard()
@@ -427,9 +395,9 @@ class ZeroState:
                 g.install(self._pass_id)
 
     def unit_pre_forward(self, unit: ZeroUnit) -> None:
-        if self._hooks_paused:
+        if self._hooks_off():
             return
-        if not self._pass_open:
+        if not self._pass_open():
             self._open_pass()
             self._ensure_root()
         if unit not in self._order:
@@ -445,14 +413,14 @@ class ZeroState:
                 self._prefetch(self._last_order[pos + 1 :])
 
     def unit_post_forward(self, unit: ZeroUnit) -> None:
-        if self._hooks_paused:
+        if self._hooks_off():
             return
         if torch.is_grad_enabled() and not self.config.reshard_after_forward:
             return  # kept for backward: see ZeroConfig.reshard_after_forward
         unit.reshard()
 
     def unit_pre_backward(self, unit: ZeroUnit) -> None:
-        if self._hooks_paused:
+        if self._hooks_off():
             return
         self._queue_finish()
         if self.offload is not None and unit in self._order:
@@ -480,8 +448,9 @@ class ZeroState:
 
     # ================================================================ backward
     def _queue_finish(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
+        if self.training_state is not TrainingState.BACKWARD:
+            self._to(TrainingState.BACKWARD)
+            self._reduces_before_backward = self.reduce_scatters
             Variable._execution_engine.queue_callback(self.finish_backward)
 
     def post_backward(self, group: ZeroParamGroup, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -509,7 +478,6 @@ class ZeroState:
         self._pending.append(group.start_reduce_scatter(flat, async_op=self.config.overlap_comm))
         self.reduce_scatters += 1
         self._pending_numel += group.shard_numel
-        self._reduced_this_backward = True
         while len(self._pending) > 1 and self._pending_numel * self.world_size > self.reduce_budget:
             self._drain_one()
 
@@ -520,10 +488,29 @@ class ZeroState:
         pending = self._pending.popleft()
         self._pending_numel -= pending.group.shard_numel
         pending.finish()
+        if self.offload is not None:
+            self._notify_gradient_final(pending.group)
+
+    def _notify_gradient_final(self, group: ZeroParamGroup) -> None:
+        """Tells the offloaded optimizer that ``group``'s gradient shard is final for this backward (it may step the
+        group now: [Note: optimizer steps in backward] in _offload_optimizer.py): every use of the group was reduced,
+        none of its reductions is still in flight, and which pieces get a ``.grad`` is settled. With one rank a
+        piece that got no gradient here never will (finish_backward would drop its ``.grad`` the same way); with
+        several, another rank may have used it, which only finish_backward's all-reduce tells, so such a group is
+        left to ``optimizer.step()``."""
+        if not self.gradient_sync or group.pending_backward or group.unsynced is not None:
+            return
+        if any(p.group is group for p in self._pending):
+            return
+        unsure = [zp for zp in group._fresh if not self._used[zp.index]]
+        if unsure and self.world_size > 1:
+            return
+        for zp in unsure:
+            zp.piece.grad = None
+        self.offload.gradient_final(group)  # type: ignore[union-attr]
 
     def finish_backward(self) -> None:
         """End of backward: finish reduce-scatters, settle unused parameters, release everything non-persistent."""
-        self._callback_queued = False
         if self.gradient_sync:  # gradients held back in earlier micro-batches, for groups unused in this one
             for group in self.groups:
                 if group.unsynced is not None:
@@ -531,7 +518,7 @@ class ZeroState:
                     self._reduce(group, flat)
         while self._pending:
             self._drain_one()
-        if self._reduced_this_backward:
+        if self.reduce_scatters > self._reduces_before_backward:
             used = self._used.to(self.device)
             if self.world_size > 1:
                 dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -541,11 +528,10 @@ class ZeroState:
                     if used[zp.index] == 0:
                         zp.piece.grad = None
             self._used.zero_()
-            self._reduced_this_backward = False
         for group in self.groups:
             group.pending_backward = 0
         self.release_all(keep_persistent=True)
-        self._pass_open = False
+        self._to(TrainingState.IDLE)
         self._depth = 0
 
     def release_all(self, keep_persistent: bool) -> None:
@@ -569,7 +555,7 @@ class ZeroState:
                     group.stale = True
             else:
                 group.reshard()
-        self._pass_open = False
+        self._close_pass()
 
     # ================================================================ queries
     def zero_param_of(self, piece: torch.Tensor) -> ZeroParam | None:
@@ -608,35 +594,7 @@ class ZeroState:
         self.optimizer_hooks.clear()
 
 
-def _fqn_of(zp: ZeroParam, name: str) -> str:
-    """The qualified name of the module holding ``zp`` in its first slot (the parameter's name minus ``name``)."""
-    return zp.fqn[: -len(name)].rstrip(".")
-
-
-def _stable_hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
 def _module_device(module: nn.Module) -> torch.device:
     for t in list(module.parameters()) + list(module.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def _deepest_common_unit(unit_paths: list[list[ZeroUnit]]) -> ZeroUnit:
-    common = unit_paths[0]
-    for path in unit_paths[1:]:
-        n = 0
-        while n < min(len(common), len(path)) and common[n] is path[n]:
-            n += 1
-        common = common[:n]
-    return common[-1]
-
-
-def _split_by_kind(params: list[ZeroParam]) -> list[list[ZeroParam]]:
-    """One group per (dtype, requires_grad), in first-seen order: a collective needs one dtype, and frozen
-    parameters need no reduce-scatter."""
-    kinds: dict[tuple[torch.dtype, bool], list[ZeroParam]] = {}
-    for zp in params:
-        kinds.setdefault((zp.dtype, zp.requires_grad), []).append(zp)
-    return list(kinds.values())

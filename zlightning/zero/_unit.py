@@ -11,31 +11,40 @@ ends (or at the end of a no-grad pass), because they typically frame the whole f
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zlightning.zero._param_group import ZeroParamGroup
+from zlightning.zero._param_group import GroupState, ZeroParamGroup
 
-if TYPE_CHECKING:
-    from zlightning.zero._state import ZeroState
-
-__all__ = ["UnitPolicy", "ZeroUnit", "select_unit_modules"]
+__all__ = [
+    "ParamOwners", "UnitHooks", "UnitPolicy", "ZeroUnit", "assign_owners", "deepest_common_unit", "select_unit_modules",
+]
 
 UnitPolicy = Callable[[str, nn.Module], bool]
 """``policy(qualified_name, module) -> bool``: True makes the module a sharding unit."""
 
 
+class UnitHooks(Protocol):
+    """What a unit's module hooks call: the engine's protocol around one unit's forward and backward."""
+
+    def unit_pre_forward(self, unit: ZeroUnit) -> None: ...
+
+    def unit_post_forward(self, unit: ZeroUnit) -> None: ...
+
+    def unit_pre_backward(self, unit: ZeroUnit) -> None: ...
+
+
 class ZeroUnit:
     """A module subtree gathered as one: owns its groups and the hooks on its module."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, state: ZeroState, is_root: bool) -> None:
+    def __init__(self, index: int, name: str, module: nn.Module, hooks: UnitHooks, is_root: bool) -> None:
         self.index = index
         self.name = name or "<root>"
         self.module = module
-        self.state = state
+        self.hooks = hooks
         self.is_root = is_root
         self.groups: list[ZeroParamGroup] = []
         self._handles: list[Any] = []
@@ -49,7 +58,7 @@ class ZeroUnit:
         return sum(g.unsharded_bytes for g in self.groups)
 
     def is_gathered_or_inflight(self) -> bool:
-        return all(g.status.value != "sharded" and not g.stale for g in self.groups)
+        return all(g.status is not GroupState.SHARDED and not g.stale for g in self.groups)
 
     def start_gather(self) -> None:
         for g in self.groups:
@@ -82,7 +91,7 @@ class ZeroUnit:
         self._handles.clear()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self.state.unit_pre_forward(self)
+        self.hooks.unit_pre_forward(self)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.is_grad_enabled():
@@ -90,11 +99,11 @@ class ZeroUnit:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward_hook)
-        self.state.unit_post_forward(self)
+        self.hooks.unit_post_forward(self)
         return output
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        self.state.unit_pre_backward(self)
+        self.hooks.unit_pre_backward(self)
         return None
 
     def __repr__(self) -> str:
@@ -179,3 +188,42 @@ def select_unit_modules(
             "parameters would never be gathered: choose the modules inside them (e.g. the block class) instead"
         )
     return chosen
+
+
+ParamOwners = dict[int, list[tuple[str, nn.Module, str, list[ZeroUnit]]]]
+"""``id(parameter)`` -> every ``(qualified name, module, attribute, units on the path)`` that holds it."""
+
+
+def assign_owners(root: nn.Module, units: list[ZeroUnit]) -> tuple[ParamOwners, dict[int, nn.Parameter]]:
+    """Walks ``root`` and records, for every parameter (tied ones once), where it is held and under which units.
+
+    ``units[0]`` must be the root unit. Returns the owners and ``id -> parameter``, in registration order.
+    """
+    unit_of_module = {id(u.module): u for u in units}
+    owners: ParamOwners = {}
+    objects: dict[int, nn.Parameter] = {}
+
+    def walk(module: nn.Module, prefix: str, path: list[ZeroUnit]) -> None:
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((f"{prefix}{name}", module, name, list(path)))
+                objects[id(p)] = p
+        for name, child in module._modules.items():
+            if child is not None:
+                child_path = path + [unit_of_module[id(child)]] if id(child) in unit_of_module else path
+                walk(child, f"{prefix}{name}.", child_path)
+
+    walk(root, "", [units[0]])
+    return owners, objects
+
+
+def deepest_common_unit(unit_paths: list[list[ZeroUnit]]) -> ZeroUnit:
+    """The deepest unit on every one of ``unit_paths`` (a parameter shared by two units belongs to their common
+    ancestor, usually the root)."""
+    common = unit_paths[0]
+    for path in unit_paths[1:]:
+        n = 0
+        while n < min(len(common), len(path)) and common[n] is path[n]:
+            n += 1
+        common = common[:n]
+    return common[-1]
