@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from zlightning.kernels import DeepSpeedIOEngine
-from zlightning.zero._swap_io import SWAP_ROOT, PosixSwapIO, SwapDirectory, SwapPathError
+from zlightning.zero._offload_config import NVMeOffload
+from zlightning.zero._swap_io import SWAP_ROOT, SwapDirectory, SwapPathError, make_swap_io
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def test_swap_folders_and_files_are_private(tmp_path: Path, open_umask: None) ->
     folder.open("error")
     try:
         assert _mode(tmp_path / SWAP_ROOT) == 0o700 and _mode(folder.path) == 0o700
-        posix = PosixSwapIO(threads=1, block_size=4096, direct=False)
+        posix = make_swap_io(NVMeOffload(path=tmp_path, io_engine="portable", block_size=4096), direct=False)
         posix.pwrite(torch.ones(1024), folder.file("posix.swp"), 0, [])
         posix.wait()
         posix.close()

@@ -116,12 +116,12 @@ def _fit(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
 
     import zlightning  # noqa: F401
     from tests._lightning_models import TinyGPTModule, loader, state_after_fit
-    from zlightning.strategies import ZeroStrategy
+    from zlightning.strategies import ZStackZero3Strategy
 
     swap = os.path.join(root, "swap")
     ckpt_dir = os.path.join(root, "ckpt")
     offload = phase != "plain"
-    strategy: Any = ZeroStrategy(
+    strategy: Any = ZStackZero3Strategy(
         offload_optimizer=NVMeOffload(path=swap, buffer_size=2048, buffer_count=6) if offload else None,
         offload_params=NVMeOffload(path=swap, buffer_size=16384, buffer_count=3) if offload else None,
     )

@@ -290,6 +290,8 @@ def _spawn(mode: str, root: Path) -> subprocess.Popen[bytes]:
 
 def test_killed_mid_step_then_restarted_resumes_exactly(tmp_path: Path, world1: None) -> None:
     crash_root, term_root = tmp_path / "crash", tmp_path / "term"
+    crash_root.mkdir()  # the swap path's parent must exist (a missing one is refused as a mistyped or unmounted path)
+    term_root.mkdir()
     crash, term = _spawn("crash", crash_root), _spawn("sigterm", term_root)  # run side by side
     try:
         _kill_and_restart(tmp_path, crash_root, crash)

@@ -36,6 +36,8 @@ def _rss() -> tuple[int, int]:
 def _peak_growth(path: str | None) -> dict[str, Any]:
     from zlightning.zero import DeepSpeedZeroOptimizer_Stage3, NVMeOffload, ZeroConfig
 
+    # torch's first optimizer imports torch._dynamo and sympy (~70 MB, once per process): not the engine's memory
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     base, _ = _rss()
     torch.manual_seed(0)

@@ -25,6 +25,7 @@ from zlightning.zero._swap import Swapper, aligned_numel
 from zlightning.zero._swap_io import SwapDirectory, check_swap_path, new_run_id
 
 if TYPE_CHECKING:
+    from zlightning.zero._offload_optimizer import OffloadedAdam
     from zlightning.zero._offload_params import ParamOffloader
     from zlightning.zero._param_group import ZeroParamGroup
     from zlightning.zero._state import ZeroState
@@ -44,6 +45,7 @@ class ZeroOffload:
     optimizer_swapper: Swapper | None
     params: ParamOffloader | None
     folders: list[SwapDirectory]
+    optimizer: OffloadedAdam | None  # set when an optimizer is attached (it steps the offloaded state)
 
     def __init__(self, state: ZeroState) -> None:
         cfg = state.config
@@ -55,6 +57,12 @@ class ZeroOffload:
         self.optimizer_swapper = None
         self.params = None
         self.folders = []
+        self.optimizer = None
+        if self.param_policy is not None and self.param_policy.step_in_backward:
+            raise ValueError(
+                "offload_params=NVMeOffload(step_in_backward=True): step_in_backward is an optimizer setting; set it "
+                "on offload_optimizer (parameter shards then follow the update)"
+            )
         self._closed = False
         run_id = self._shared_run_id()
         needs = self._bytes_needed()
@@ -143,12 +151,39 @@ class ZeroOffload:
             self.params.ensure(group)
 
     def after_gather(self, group: ZeroParamGroup) -> None:
-        if self.params is not None:
+        if self.params is None:
+            return
+        if self.optimizer is not None and self.optimizer.updates_in_backward(group):
+            self.params.hold(group)  # its update comes later in this backward: read the shard once
+        else:
             self.params.evict(group)
 
     def prefetch(self, groups: list[ZeroParamGroup]) -> None:
+        """Called at every unit of forward and backward with the groups expected next: parameter shards are read
+        ahead of their gathers, optimizer state ahead of its step."""
         if self.params is not None:
             self.params.prefetch(groups)
+        if self.optimizer is not None:
+            self.optimizer.read_ahead()
+
+    def gradient_final(self, group: ZeroParamGroup) -> None:
+        """Called by the engine when ``group``'s gradient shard is final for this backward."""
+        if self.optimizer is not None:
+            self.optimizer.gradient_final(group)
+
+    def check_gradients_unapplied(self, what: str) -> None:
+        """Raises when ``what`` (clipping, unscaling) would change gradients already applied in backward.
+
+        Raises:
+            RuntimeError: some group was stepped during this backward (``step_in_backward``).
+        """
+        if self.optimizer is not None and self.optimizer.stepped_in_backward:
+            raise RuntimeError(
+                f"{what} after backward, but offload_optimizer's step_in_backward=True already applied some "
+                "gradients during backward: the update would not see it. Turn step_in_backward off, or do not clip "
+                "or scale (DeepSpeedZeroOptimizer_Stage3 keeps the update in step() by itself when it clips or "
+                "scales)."
+            )
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
@@ -180,9 +215,6 @@ class ZeroOffload:
         if self.params is not None:
             out.append(self.params.swapper)
         return out
-
-    def pool_bytes(self) -> int:
-        return sum(s.pool.total_bytes for s in self.swappers())
 
     def close(self) -> None:
         """Stops I/O and removes this rank's swap folders (idempotent; also runs at exit and on SIGTERM)."""

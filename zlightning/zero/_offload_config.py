@@ -33,9 +33,29 @@ class OffloadPolicy:
     """Page-lock host buffers (only meaningful with a CUDA device: copies to and from it are then asynchronous).
     Ignored on CPU-only machines."""
 
+    step_in_backward: bool = False
+    """Optimizer offload only: run each parameter group's Adam update during backward, as soon as its gradient is
+    final, instead of all of them in ``optimizer.step()`` (the swap traffic and the update then overlap the rest of
+    backward). Bitwise the same result as the step it replaces, provided nothing changes gradients or
+    hyper-parameters between backward and ``optimizer.step()``: gradient clipping and fp16 loss scaling are
+    refused with it (``DeepSpeedZeroOptimizer_Stage3`` then keeps the update in ``step()``), and a changed learning
+    rate is an error. See [Note: optimizer steps in backward] in ``zlightning/zero/_offload_optimizer.py``."""
+
+    release_gradients: bool = False
+    """With ``step_in_backward``: free each group's gradient shard once its update ran, so gradients never all sit
+    in memory at once (what a model whose gradients alone exceed RAM needs). Those parameters' ``.grad`` is None
+    after backward: nothing can read or clip them before ``optimizer.step()``."""
+
     def __post_init__(self) -> None:
-        if not isinstance(self.pin_memory, bool):
-            raise ValueError(f"{type(self).__name__}.pin_memory must be a bool, got {self.pin_memory!r}")
+        name = type(self).__name__
+        for flag in ("pin_memory", "step_in_backward", "release_gradients"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{name}.{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.release_gradients and not self.step_in_backward:
+            raise ValueError(
+                f"{name}(release_gradients=True) needs step_in_backward=True: a gradient can only be freed once its "
+                "update ran, which without step_in_backward is in optimizer.step()"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,8 +103,8 @@ class NVMeOffload(OffloadPolicy):
     overlay file systems). ``"on"``: refuse to start without it. ``"off"``: always buffered."""
 
     io_engine: Literal["auto", "kernels", "portable"] = "auto"
-    """``"kernels"``: ``zlightning.kernels.DeepSpeedIOEngine`` (libaio/native backend when built). ``"portable"``:
-    the engine's own ``os.preadv``/``os.pwrite`` thread pool. ``"auto"``: kernels when importable."""
+    """Backend of ``zlightning.kernels.DeepSpeedIOEngine``: ``"kernels"`` the native io_uring one (an error when it is
+    not built), ``"portable"`` its thread pool of ``pread``/``pwrite``, ``"auto"`` native when built."""
 
     stale_files: Literal["remove", "error"] = "remove"
     """Swap folders left by a crashed run (its process is gone): ``"remove"`` deletes them with a warning,

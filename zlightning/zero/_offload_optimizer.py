@@ -2,14 +2,46 @@
 on NVMe.
 
 [Note: pipelined optimizer swapping]
-The trainable shards are cut into sub-groups of at most ``buffer_size`` elements. With NVMe state the step walks
-them in order, and for sub-group ``i``::
+The trainable shards are cut into sub-groups of at most ``buffer_size`` elements, stepped in a fixed *step order*
+(the groups' order, or its reverse with ``step_in_backward``, the order their gradients become final). With NVMe
+state each sub-group is read into pool buffers, stepped there and written back, and reads run ahead of the step::
 
-    wait read(i)  ->  issue read(i+1)  ->  Adam on i (in its pool buffers)  ->  wait write(i-1)  ->  issue write(i)
+    read(i+1 .. i+k) in flight  ->  Adam on i (its reads waited for, one by one)  ->  write(i) in flight
 
-so in steady state the read of ``i+1`` and the write of ``i-1`` overlap the compute of ``i``. That holds three
-sub-groups' buffers at once (``3 x`` tensors per sub-group); with fewer buffers the step runs unpipelined (and
-warns). A sub-group whose pieces got no gradient this step is skipped without I/O, as torch's Adam skips them.
+``k`` is whatever the pool holds: a read is issued whenever a whole sub-group's buffers are free (finished writes
+give theirs back without blocking), so reads of later sub-groups and writes of earlier ones overlap the compute
+of ``i``. Reads do not depend on gradients, so the read-ahead starts with the next step's forward (the engine's
+prefetch calls reach ``read_ahead``) and keeps going through backward: on a state-dominated model most of the
+state is in memory before ``optimizer.step()`` begins. A sub-group needed out of order is read on demand, giving
+back buffers of read-ahead sub-groups furthest in the order when the pool is full. Between steps nothing holds a
+buffer: the step waits for its last writes and gives back read-ahead buffers it did not use (sub-groups without a
+gradient), so checkpoints and files on disk are settled. A sub-group whose pieces got no gradient this step is
+skipped without I/O, as torch's Adam skips them. With fewer than three sub-groups' buffers there is little to
+overlap (and a warning says so); the minimum is one sub-group's.
+
+[Note: optimizer steps in backward]
+With ``step_in_backward`` the engine tells the optimizer when a group's gradient shard is final (every use of the
+group reduced; see ``ZeroState._notify_gradient_final``) and, when the coming ``step()`` was announced
+(`step_in_next_backward`, which ``DeepSpeedZeroOptimizer_Stage3.backward`` calls on the last micro-batch of a window
+and ``step(closure)`` calls around its closure, as Lightning steps), the group's sub-groups are stepped right there,
+between the units of backward, and their writes overlap what is left of it. ``step()`` then only steps what is
+left (groups whose gradient was not final early: unused units, pieces whose use another rank decides).
+
+That is the same update, operation for operation, as long as what it reads is what ``step()`` would have read:
+
+* the gradient: nothing may change it after backward. Gradient clipping (needs every gradient's norm first) and
+  fp16 unscaling/overflow checks do; ``clip_grad_norm_`` and ``unscale_and_check_`` raise after an early update
+  instead of silently doing nothing, and ``DeepSpeedZeroOptimizer_Stage3`` does not announce the step when it
+  clips or scales (the update then stays in ``step()``; the reads still run ahead, so the default stays exact);
+* the hyper-parameters: they are read when the group is stepped and compared at ``step()``, where a change (a
+  learning rate set between backward and step) raises, since the update cannot be undone. Schedulers that step
+  after ``optimizer.step()`` (Lightning's, the usual loop) are fine;
+* the step count: pieces stepped early count their step at ``step()`` like the others.
+
+With ``release_gradients`` the group's gradient shard is freed after its update (``.grad`` None): gradients never
+all exist at once, which with ``offload_params`` is what lets a model whose training state exceeds RAM train (the
+parameter shard read for the group's backward all-gather also stays in memory for its update, so it is read once).
+Nothing is traded for the overlap: without the announcement, or with clipping, it falls back to the exact path.
 
 [Note: exact Adam]
 The update is torch's single-tensor Adam/AdamW, operation for operation (``lerp_``, ``mul_().addcmul_()``, bias
@@ -119,6 +151,9 @@ class _SubGroup:
     swapped: dict[str, SwapTensor]
     host: dict[str, torch.Tensor]
 
+    def tensors(self) -> list[SwapTensor]:
+        return list(self.swapped.values())
+
 
 class OffloadedAdam(torch.optim.Optimizer):
     """The user's Adam/AdamW, stepped on the host with its state offloaded (see the Notes above).
@@ -144,7 +179,24 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.uses_kernel = kernel is not None
         self._steps: dict[int, int] = {}  # ZeroParam.index -> Adam steps taken
         self._subgroups = self._plan()
-        self._pipelined = self._check_buffers()
+        self._check_buffers()
+        self.step_in_backward = bool(self.policy is not None and self.policy.step_in_backward)
+        self.release_gradients = bool(self.policy is not None and self.policy.release_gradients)
+        # the step order (see [Note: pipelined optimizer swapping]) and each group's sub-groups in it
+        by_group: dict[int, list[_SubGroup]] = {}
+        for sg in self._subgroups:
+            by_group.setdefault(id(sg.group), []).append(sg)
+        groups = list(by_group.values())
+        self._order = [sg for subs in (reversed(groups) if self.step_in_backward else groups) for sg in subs]
+        self._by_group = by_group
+        self._ahead = 0  # position in _order up to which read-ahead was considered this step
+        # per step (see [Note: optimizer steps in backward])
+        self._announced = False
+        self._done: set[int] = set()  # id(_SubGroup) stepped this step
+        self._early_groups: set[int] = set()  # id(group) stepped during backward this step
+        self._early_hypers: dict[int, tuple[float, ...]] = {}  # id(piece) -> hyper-parameters used early
+        self._early_pieces: set[int] = set()  # ZeroParam.index stepped early whose .grad was released
+        offload.optimizer = self
 
     # ---------------------------------------------------------------- planning
     def _plan(self) -> list[_SubGroup]:
@@ -186,8 +238,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             )
         if policy.buffer_count < 3 * per:
             warnings.warn(
-                f"NVMeOffload(buffer_count={policy.buffer_count}) < {3 * per}: the optimizer step runs without "
-                "overlapping reads, compute and writes. Raise buffer_count to pipeline it.",
+                f"NVMeOffload(buffer_count={policy.buffer_count}) < {3 * per}: the optimizer step barely overlaps "
+                "reads, compute and writes. Raise buffer_count to pipeline it.",
                 stacklevel=3,
             )
             return False
@@ -247,69 +299,102 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _tensor(self, sg: _SubGroup, name: str) -> torch.Tensor:
         return sg.swapped[name].data() if sg.swapped else sg.host[name]
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One Adam step over every sub-group (pipelined on NVMe). Returns ``closure()``'s value."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        hypers = self._hypers()
-        work = [(sg, segs) for sg in self._subgroups if (segs := self._segments(sg, hypers))]
-        params = self.offload.params
-        swapper = self.offload.optimizer_swapper
-        current: ZeroParamGroup | None = None
-        try:
-            if swapper is not None and work:
-                self._issue_read(work[0][0])
-            for i, (sg, segs) in enumerate(work):
-                if params is not None and sg.group is not current:
-                    if current is not None:
-                        params.commit(current)
-                    current = sg.group
-                    params.mark_dirty(current)
-                    params.prefetch(_next_groups(work, i))
-                if swapper is not None:
-                    swapper.wait_reads()
-                    if self._pipelined and i + 1 < len(work):
-                        self._issue_read(work[i + 1][0])
-                self._compute(sg, segs)
-                if swapper is not None:
-                    if self._pipelined:
-                        swapper.wait_writes()
-                    for t in sg.swapped.values():
-                        swapper.write(t)
-                    if not self._pipelined:
-                        swapper.wait_writes()
-                        if i + 1 < len(work):
-                            self._issue_read(work[i + 1][0])
-            if swapper is not None:
-                swapper.wait_writes()
-            if params is not None and current is not None:
-                params.commit(current)
-                params.flush()
-        except BaseException:
-            self._abandon()
-            raise
-        for zp in self.engine.params:  # empty pieces count too: torch steps a parameter whenever it has a .grad
-            if id(zp.piece) in hypers and zp.piece.grad is not None:
-                self._steps[zp.index] = self._steps.get(zp.index, 0) + 1
-        self.inner._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check the user's optimizer
-        return loss
-
-    def _issue_read(self, sg: _SubGroup) -> None:
+    # ---------------------------------------------------------------- swapping (see [Note: pipelined optimizer swapping])
+    def read_ahead(self) -> None:
+        """Issues reads of upcoming sub-groups while the pool has a whole sub-group's buffers free; never blocks.
+        The engine calls it (through ``ZeroOffload.prefetch``) at every unit of forward and backward."""
         swapper = self.offload.optimizer_swapper
         if swapper is None:
             return
+        swapper.reap_writes()
+        per = len(self.offload.optimizer_state_names())
+        while self._ahead < len(self._order) and swapper.pool.free_count >= per:
+            sg = self._order[self._ahead]
+            self._ahead += 1
+            if id(sg) not in self._done and all(t.state is SwapState.ON_NVME for t in sg.tensors()):
+                for t in sg.tensors():
+                    swapper.read(t)
+
+    def _make_room(self, needed: int, keep: _SubGroup) -> None:
+        """Frees pool buffers for ``needed`` tensors of ``keep``: finished writes first, then read-ahead sub-groups
+        furthest in the step order (their data is on disk), then every write."""
+        swapper = self.offload.optimizer_swapper
+        if swapper is None or swapper.pool.free_count >= needed:
+            return
+        swapper.reap_writes()
+        for sg in reversed(self._order):
+            if swapper.pool.free_count >= needed:
+                return
+            if sg is keep or id(sg) in self._done:
+                continue
+            for t in sg.tensors():
+                if swapper.is_reading(t):
+                    swapper.wait_read(t)
+                if t.state is SwapState.IN_CPU and t.checksums:
+                    swapper.release(t)
+        if swapper.pool.free_count < needed:
+            swapper.wait_writes()
+
+    def _bring_in(self, sg: _SubGroup) -> None:
+        """Every state tensor of ``sg`` in its pool buffer (waiting for its read-ahead, or reading it now)."""
+        swapper = self.offload.optimizer_swapper
+        if swapper is None:
+            return
+        missing = [t for t in sg.tensors() if t.state in (SwapState.ON_NVME, SwapState.ON_DEVICE)]
+        self._make_room(len(missing), keep=sg)
         for name, t in sg.swapped.items():
             if t.state is SwapState.ON_DEVICE:  # first step: state starts at zero, the master at the shard
                 swapper.stage(t, sg.group.shard[sg.lo : sg.hi] if name == "master" else None)
-            else:
+            elif t.state is SwapState.ON_NVME:
                 swapper.read(t)
+        for t in sg.tensors():
+            if swapper.is_reading(t):
+                swapper.wait_read(t)
+
+    def _step_group(self, group: ZeroParamGroup, work: list[tuple[_SubGroup, list[Any]]]) -> None:
+        """Steps ``group``'s sub-groups that have work (the shard made resident first and written back after, with
+        parameter offload); their writes are left in flight."""
+        params = self.offload.params
+        if params is not None:
+            params.mark_dirty(group)
+        swapper = self.offload.optimizer_swapper
+        for sg, segs in work:
+            self._bring_in(sg)
+            self._compute(sg, segs)
+            self._done.add(id(sg))
+            if swapper is not None:
+                for t in sg.tensors():
+                    swapper.write(t)
+            self.read_ahead()
+        if params is not None:
+            params.commit(group)
+
+    def _settle(self) -> None:
+        """End of a step: waits for the writes and gives back read-ahead buffers the step did not use."""
+        self.quiesce()
+        if self.offload.params is not None:
+            self.offload.params.drop_held()
+            self.offload.params.flush()
+
+    def quiesce(self) -> None:
+        """Waits for every read and write of the optimizer state and gives back read-ahead buffers, so the files
+        hold the state and no buffer is lent (before the state is read or replaced wholesale: checkpoints). Safe
+        mid-step: sub-groups stepped during backward stay stepped."""
+        swapper = self.offload.optimizer_swapper
+        if swapper is None:
+            return
+        swapper.wait_writes()
+        swapper.wait_reads()
+        for sg in self._order:
+            for t in sg.tensors():
+                if t.state is SwapState.IN_CPU and t.checksums:
+                    swapper.release(t)
+        self._ahead = 0
 
     def _abandon(self) -> None:
         """After a failed step: wait for in-flight I/O so no buffer is still being filled or drained."""
         swapper = self.offload.optimizer_swapper
+        self._reset_step()
         if swapper is None:
             return
         for wait in (swapper.wait_reads, swapper.wait_writes):
@@ -317,6 +402,129 @@ class OffloadedAdam(torch.optim.Optimizer):
                 wait()
             except BaseException:  # noqa: BLE001 - the first error is the one that is raised
                 pass
+        for sg in self._order:
+            for t in sg.tensors():
+                if t.state is SwapState.IN_CPU:
+                    if t.checksums:
+                        swapper.release(t)
+                    else:  # staged (first step) and never written: its values are lost with the failed step
+                        swapper.discard(t)
+
+    # ---------------------------------------------------------------- steps in backward
+    def step_in_next_backward(self, announce: bool = True) -> None:
+        """Announces that the next backward is the last before ``step()`` and that nothing changes gradients or
+        hyper-parameters in between, so with ``step_in_backward`` groups are stepped as their gradients become final
+        (see [Note: optimizer steps in backward]). ``announce=False`` withdraws it (an accumulation micro-batch, or
+        clipping to come). Without ``step_in_backward`` it does nothing."""
+        self._announced = announce and self.step_in_backward
+
+    def updates_in_backward(self, group: ZeroParamGroup) -> bool:
+        """Whether ``group`` will be stepped later in the backward now running (its parameter shard is worth
+        keeping in memory until then)."""
+        from zlightning.zero._state import TrainingState
+
+        return (self._announced and id(group) in self._by_group and id(group) not in self._early_groups
+                and self.engine.training_state is TrainingState.BACKWARD)
+
+    @property
+    def stepped_in_backward(self) -> bool:
+        """Whether some group was already stepped during this step's backward."""
+        return bool(self._early_groups)
+
+    def gradient_final(self, group: ZeroParamGroup) -> None:
+        """Called by the engine when ``group``'s gradient shard is final for this backward: steps it now when the
+        step was announced, else only moves the read-ahead along.
+
+        Raises:
+            RuntimeError: the group was stepped already in this step (a second backward before ``step()``).
+        """
+        subs = self._by_group.get(id(group))
+        if not self._announced or subs is None:
+            self.read_ahead()
+            return
+        if id(group) in self._early_groups:
+            raise RuntimeError(
+                "step_in_backward: a second backward reached a parameter group already stepped in this step's "
+                "backward. Call optimizer.step() after each backward, or announce only the last micro-batch of an "
+                "accumulation window (step_in_next_backward(False) before the others)."
+            )
+        hypers = self._hypers()
+        work = [(sg, segs) for sg in subs if (segs := self._segments(sg, hypers))]
+        if not work:
+            return
+        self._early_groups.add(id(group))
+        for _, segs in work:
+            for _, _, _, members in segs:
+                for zp, _, _ in members:
+                    self._early_hypers[id(zp.piece)] = hypers[id(zp.piece)]
+        try:
+            self._step_group(group, work)
+        except BaseException:
+            self._abandon()
+            raise
+        if self.release_gradients:
+            self._release_gradients(group, hypers)
+
+    def _release_gradients(self, group: ZeroParamGroup, hypers: dict[int, tuple[float, ...]]) -> None:
+        for zp in group.params:
+            if zp.piece.grad is not None and id(zp.piece) in hypers:
+                self._early_pieces.add(zp.index)
+                zp.piece.grad = None
+        if all(zp.piece.grad is None for zp in group.params):
+            group.grad = None  # the shard's memory goes back (the next backward makes a new one)
+
+    def _check_hypers(self, hypers: dict[int, tuple[float, ...]]) -> None:
+        changed = [k for k, v in self._early_hypers.items() if hypers.get(k) != v]
+        if changed:
+            raise RuntimeError(
+                "step_in_backward: the optimizer's hyper-parameters (lr, betas, eps, weight_decay) changed between "
+                "backward and optimizer.step(), but some groups were already updated during backward with the old "
+                "values. Set them before backward (schedulers that step after optimizer.step() are fine), or turn "
+                "step_in_backward off."
+            )
+
+    def _reset_step(self) -> None:
+        self._announced = False
+        self._done.clear()
+        self._early_groups.clear()
+        self._early_hypers.clear()
+        self._early_pieces.clear()
+        self._ahead = 0
+
+    # ---------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One Adam step over every sub-group not stepped during backward yet. Returns ``closure()``'s value (a
+        closure's backward is the last before this step, so it is announced: see `step_in_next_backward`)."""
+        loss = None
+        if closure is not None:
+            self.step_in_next_backward()
+            with torch.enable_grad():
+                loss = closure()
+        hypers = self._hypers()
+        try:
+            self._check_hypers(hypers)
+            work = [(sg, segs) for sg in self._order if id(sg) not in self._done and (segs := self._segments(sg, hypers))]
+            by_group: list[tuple[ZeroParamGroup, list[tuple[_SubGroup, list[Any]]]]] = []
+            for sg, segs in work:
+                if not by_group or by_group[-1][0] is not sg.group:
+                    by_group.append((sg.group, []))
+                by_group[-1][1].append((sg, segs))
+            params = self.offload.params
+            for i, (group, items) in enumerate(by_group):
+                if params is not None:
+                    params.prefetch([g for g, _ in by_group[i + 1 :]])
+                self._step_group(group, items)
+            self._settle()
+        except BaseException:
+            self._abandon()
+            raise
+        for zp in self.engine.params:  # empty pieces count too: torch steps a parameter whenever it has a .grad
+            if id(zp.piece) in hypers and (zp.piece.grad is not None or zp.index in self._early_pieces):
+                self._steps[zp.index] = self._steps.get(zp.index, 0) + 1
+        self._reset_step()
+        self.inner._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check the user's optimizer
+        return loss
 
     # ---------------------------------------------------------------- state dict (torch Adam's format)
     def _read_all(self, sg: _SubGroup) -> dict[str, torch.Tensor]:
@@ -349,6 +557,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             swapper.wait_writes()
 
     def state_dict(self) -> dict[str, Any]:
+        self.quiesce()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state: dict[int, dict[str, Any]] = {}
         for zp in self.engine.params:
@@ -384,6 +593,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads torch Adam's format (pieces' local state) into the offloaded store and the hyper-parameters."""
+        self.quiesce()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
@@ -438,12 +648,3 @@ class OffloadedAdam(torch.optim.Optimizer):
 
 def _views(a: torch.Tensor, base: torch.Tensor) -> bool:
     return a.numel() == 0 or a.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-
-
-def _next_groups(work: list[tuple[_SubGroup, Any]], i: int) -> list[ZeroParamGroup]:
-    seen: list[ZeroParamGroup] = []
-    for sg, _ in work[i + 1 :]:
-        if sg.group is not work[i][0].group and all(sg.group is not g for g in seen):
-            seen.append(sg.group)
-    return seen
-

@@ -7,7 +7,9 @@ group's all-gather the shard is read (through a pool buffer, checksums verified)
 all-gather it is dropped again (no write: it did not change). The optimizer step is the only writer: it makes the
 shard resident, updates it and writes it back. Reads are issued ahead of need in the recorded execution order
 (``prefetch``), limited by the free pool buffers, one buffer being kept for on-demand reads; a group used out of
-order is read on demand (slower, correct).
+order is read on demand (slower, correct). Waiting for a shard waits for its own read only: prefetches of later
+groups stay in flight. When the optimizer will step a group during this backward (``step_in_backward``), the shard
+read for the group's backward all-gather is *held* (kept resident) until that update, so it is read once.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class ParamOffloader:
         self.files = {}
         self.resident = set()
         self._dirty: set[int] = set()
+        self._held: dict[int, ZeroParamGroup] = {}  # resident until the optimizer's update (see the Note)
         for i, g in enumerate(state.groups):
             if g.persistent:
                 continue
@@ -85,7 +88,8 @@ class ParamOffloader:
             if self.swapper.pool.free_count == 0:
                 self._reclaim()
             self.swapper.read(t)
-        self.swapper.wait_reads()  # this group's read and any prefetch issued with it
+        if self.swapper.is_reading(t):
+            self.swapper.wait_read(t)  # this group's read only: later prefetches stay in flight
         storage = group.shard.untyped_storage()
         storage.resize_(group.shard_numel * group.shard.element_size())
         with torch.no_grad():
@@ -101,10 +105,21 @@ class ParamOffloader:
                 self.swapper.release(t)
 
     def evict(self, group: ZeroParamGroup) -> None:
-        """Drops an unchanged resident shard (after its all-gather)."""
+        """Drops an unchanged resident shard (after its all-gather) unless it is held."""
         key = id(group)
-        if key in self.files and key in self.resident and key not in self._dirty:
+        if key in self.files and key in self.resident and key not in self._dirty and key not in self._held:
             self._drop(group)
+
+    def hold(self, group: ZeroParamGroup) -> None:
+        """Keeps a resident shard in memory for an update that comes soon (`evict` leaves it alone)."""
+        if id(group) in self.files and id(group) in self.resident:
+            self._held[id(group)] = group
+
+    def drop_held(self) -> None:
+        """Drops held shards that were not updated after all (no gradient this step)."""
+        held, self._held = self._held, {}
+        for group in held.values():
+            self.evict(group)
 
     def prefetch(self, upcoming: list[ZeroParamGroup]) -> None:
         """Issues reads for upcoming groups in order while pool buffers are free (one stays free)."""
@@ -127,10 +142,13 @@ class ParamOffloader:
     def commit(self, group: ZeroParamGroup, *, wait: bool = False) -> None:
         """Writes a changed shard back (asynchronously unless ``wait``) and drops it from memory."""
         key = id(group)
+        self._held.pop(key, None)
         if key not in self._dirty:
             self.evict(group)
             return
-        self.swapper.wait_writes()  # the previous commit's buffer is free again
+        self.swapper.reap_writes()
+        if self.swapper.pool.free_count == 0:
+            self.swapper.wait_writes()  # an earlier commit's buffer is free again
         t = self.files[key]
         self.swapper.supersede(t)  # the in-memory shard is now the only current copy
         self.swapper.stage(t, group.shard.detach())

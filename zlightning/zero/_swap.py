@@ -18,6 +18,7 @@ All swap I/O goes through ``buffer_count`` host buffers of ``buffer_size`` eleme
 memory for swapping is bounded by the pool; running out is a clear error that names ``buffer_count``.
 
 [Note: pool memory layout]
+(The allocation itself is ``zlightning.kernels``' ``aligned_empty``: one aligned-buffer allocator for all host I/O.)
 How the pool's pages lie in physical memory decides O_DIRECT speed: every physically contiguous run of pages is one
 scatter-gather segment of a request, and devices limit segments per request (virtio here: 254). A 1 MiB block in
 scattered 4 KiB pages (what ``torch.empty`` of a large buffer gets) is 256 segments, so requests are split and the
@@ -31,13 +32,14 @@ physically contiguous chunks already. Nothing else changes: the pool is still on
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import mmap
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from zlightning.kernels._aio import aligned_empty
 
 from zlightning.zero._offload_config import IO_ALIGNMENT, NVMeOffload
 from zlightning.zero._swap_io import SwapDirectory, SwapIO, SwapSpaceError, make_swap_io
@@ -74,30 +76,6 @@ class SwapBuffer:
         return self.raw.view(dtype)[:numel]
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; older kernels: pages touched instead
-
-
-def _host_backing(nbytes: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(backing, aligned)``: a fresh allocation and its ``IO_ALIGNMENT``-aligned ``nbytes`` (see
-    [Note: pool memory layout])."""
-    if pin or nbytes < _HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS") or not hasattr(mmap.mmap, "madvise"):
-        backing = torch.empty(nbytes + IO_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-        shift = (-backing.data_ptr()) % IO_ALIGNMENT
-        return backing, backing[shift : shift + nbytes]
-    mm = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    backing = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps `mm` alive
-    shift = (-backing.data_ptr()) % _HUGE_PAGE
-    aligned = backing[shift : shift + nbytes]
-    with contextlib.suppress(OSError, AttributeError, ValueError):  # THP unavailable: 4 KiB pages, still prefaulted
-        mm.madvise(mmap.MADV_HUGEPAGE, shift, nbytes)
-    try:
-        mm.madvise(_MADV_POPULATE_WRITE, shift, nbytes)
-    except (OSError, ValueError):
-        aligned[::4096].zero_()
-    return backing, aligned
-
-
 class AlignedBufferPool:
     """``count`` aligned host buffers of ``nbytes`` each, allocated once (see [Note: fixed buffer pool])."""
 
@@ -105,7 +83,8 @@ class AlignedBufferPool:
         nbytes = -(-nbytes // IO_ALIGNMENT) * IO_ALIGNMENT
         self.nbytes = nbytes
         self.count = count
-        self._backing, aligned = _host_backing(count * nbytes, pin)
+        aligned = aligned_empty(count * nbytes, torch.uint8, pin=pin)  # see [Note: pool memory layout]
+        self._backing = aligned
         self.buffers = [SwapBuffer(i, aligned[i * nbytes : (i + 1) * nbytes]) for i in range(count)]
         self._free = list(reversed(self.buffers))
 
@@ -168,6 +147,7 @@ class SwapTensor:
     buffer: SwapBuffer | None = None
     checksums: list[int] = field(default_factory=list)
     _writing: bool = False
+    _ticket: Any = None  # the I/O handle's ticket while INFLIGHT
 
     @property
     def nbytes(self) -> int:
@@ -201,8 +181,7 @@ class Swapper:
         self._step = SwapStats()
         self._reads: list[SwapTensor] = []
         self._writes: list[SwapTensor] = []
-        self._read_t0 = 0.0
-        self._write_t0 = 0.0
+        self._busy_since = {"read": 0.0, "write": 0.0}
 
     # ---------------------------------------------------------------- transitions
     def stage(self, t: SwapTensor, values: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,9 +199,8 @@ class Swapper:
         if t.buffer is None:
             raise SwapStateError(f"{t.name}: IN_CPU without a buffer")
         t.buffer.view(t.dtype, aligned_numel(t.numel, t.dtype))[t.numel :].zero_()
-        if not self._writes:
-            self._write_t0 = time.perf_counter()
-        self.writer.pwrite(t.buffer.raw[: t.nbytes], t.path, t.offset, t.checksums)
+        self._start("write", self._writes)
+        t._ticket = self.writer.pwrite(t.buffer.raw[: t.nbytes], t.path, t.offset, t.checksums)
         t.state, t._writing = SwapState.INFLIGHT, True
         self._writes.append(t)
 
@@ -230,14 +208,14 @@ class Swapper:
         """ON_NVME -> INFLIGHT (read into a pool buffer)."""
         t._expect(SwapState.ON_NVME)
         t.buffer = self.pool.acquire(t)
-        if not self._reads:
-            self._read_t0 = time.perf_counter()
         try:
-            self.reader.pread(t.buffer.raw[: t.nbytes], t.path, t.offset, t.checksums)
+            ticket = self.reader.pread(t.buffer.raw[: t.nbytes], t.path, t.offset, t.checksums)
         except BaseException:
             self.pool.release(t.buffer)
             t.buffer = None
             raise
+        self._start("read", self._reads)
+        t._ticket = ticket
         t.state, t._writing = SwapState.INFLIGHT, False
         self._reads.append(t)
 
@@ -249,6 +227,15 @@ class Swapper:
         self._free(t)
         t.state = SwapState.ON_NVME
 
+    def discard(self, t: SwapTensor) -> None:
+        """IN_CPU -> ON_DEVICE for a tensor never written: its buffer goes back and its values are dropped (its
+        owner starts it again from its home tensor)."""
+        t._expect(SwapState.IN_CPU)
+        if t.checksums:
+            raise SwapStateError(f"{t.name}: discard() of data that has a file copy (use release())")
+        self._free(t)
+        t.state = SwapState.ON_DEVICE
+
     def supersede(self, t: SwapTensor) -> None:
         """ON_NVME -> ON_DEVICE: the file's copy is out of date (its owner changed the tensor in memory)."""
         t._expect(SwapState.ON_NVME)
@@ -258,6 +245,47 @@ class Swapper:
         if t.buffer is not None:
             self.pool.release(t.buffer)
             t.buffer = None
+
+    # ---------------------------------------------------------------- completion
+    def _start(self, kind: str, inflight: list[SwapTensor]) -> None:
+        if not inflight:
+            self._busy_since[kind] = time.perf_counter()
+
+    def _account(self, kind: str, done: list[SwapTensor], inflight: list[SwapTensor]) -> None:
+        """Adds bytes moved, and the time some transfer of this kind was in flight (the union of their intervals,
+        ending when completion was observed)."""
+        now = time.perf_counter()
+        elapsed = now - self._busy_since[kind]
+        self._busy_since[kind] = now
+        n = sum(t.nbytes for t in done)
+        for s in (self.stats, self._step):
+            if kind == "read":
+                s.bytes_read += n
+                s.read_s += elapsed
+            else:
+                s.bytes_written += n
+                s.write_s += elapsed
+
+    def is_reading(self, t: SwapTensor) -> bool:
+        return t.state is SwapState.INFLIGHT and not t._writing
+
+    def wait_read(self, t: SwapTensor) -> None:
+        """One INFLIGHT read -> IN_CPU (checksums verified); other reads stay in flight.
+
+        Raises:
+            SwapCorruptionError: the file no longer holds what was written (the tensor goes back to ON_NVME).
+        """
+        if not self.is_reading(t):
+            raise SwapStateError(f"{t.name}: wait_read needs a read in flight, state is {t.state.name}")
+        self._reads.remove(t)
+        try:
+            self.reader.finish(t._ticket)
+        except BaseException:
+            self._free(t)
+            t.state, t._ticket = SwapState.ON_NVME, None
+            raise
+        self._account("read", [t], self._reads)
+        t.state, t._ticket = SwapState.IN_CPU, None
 
     def wait_reads(self) -> None:
         """Every INFLIGHT read -> IN_CPU (checksums verified)."""
@@ -269,15 +297,35 @@ class Swapper:
         except BaseException:
             for t in reads:
                 self._free(t)
-                t.state = SwapState.ON_NVME
+                t.state, t._ticket = SwapState.ON_NVME, None
             raise
-        elapsed = time.perf_counter() - self._read_t0
-        n = sum(t.nbytes for t in reads)
-        for s in (self.stats, self._step):
-            s.bytes_read += n
-            s.read_s += elapsed
+        self._account("read", reads, self._reads)
         for t in reads:
-            t.state = SwapState.IN_CPU
+            t.state, t._ticket = SwapState.IN_CPU, None
+
+    def reap_writes(self) -> int:
+        """Completes the writes that have finished (their buffers return to the pool) without blocking; returns how
+        many buffers that freed.
+
+        Raises:
+            SwapSpaceError: the disk filled up (ENOSPC) while writing.
+        """
+        done = [t for t in self._writes if self.writer.done(t._ticket)]
+        for t in done:
+            self._writes.remove(t)
+            try:
+                self.writer.finish(t._ticket)
+            except OSError as err:
+                rest, self._writes = [t, *self._writes], []
+                try:
+                    self.writer.wait()  # the other writes finish too: their buffers go back to the pool
+                except OSError:
+                    pass
+                self._fail_writes(err, rest)
+            self._account("write", [t], self._writes)
+            self._free(t)
+            t.state, t._ticket = SwapState.ON_NVME, None
+        return len(done)
 
     def wait_writes(self) -> None:
         """Every INFLIGHT write -> ON_NVME (its buffer returns to the pool).
@@ -291,24 +339,24 @@ class Swapper:
         try:
             self.writer.wait()
         except OSError as err:
-            for t in writes:
-                self._free(t)
-                t.state, t.checksums = SwapState.ON_NVME, []
-            if err.errno in (28, 27):  # ENOSPC, EFBIG
-                raise SwapSpaceError(
-                    f"the disk under {self.folder.root} ran out of space while writing swap files "
-                    f"({err.strerror or err}); {sum(t.nbytes for t in writes):,} bytes were being written. Free space "
-                    "or choose another NVMeOffload(path=...); restart from the last checkpoint."
-                ) from err
-            raise
-        elapsed = time.perf_counter() - self._write_t0
-        n = sum(t.nbytes for t in writes)
-        for s in (self.stats, self._step):
-            s.bytes_written += n
-            s.write_s += elapsed
+            self._fail_writes(err, writes)
+        self._account("write", writes, self._writes)
         for t in writes:
             self._free(t)
-            t.state = SwapState.ON_NVME
+            t.state, t._ticket = SwapState.ON_NVME, None
+
+    def _fail_writes(self, err: OSError, writes: list[SwapTensor]) -> None:
+        """After a failed write: frees the buffers (the files' contents are unknown) and raises."""
+        for t in writes:
+            self._free(t)
+            t.state, t.checksums, t._ticket = SwapState.ON_NVME, [], None
+        if err.errno in (28, 27):  # ENOSPC, EFBIG
+            raise SwapSpaceError(
+                f"the disk under {self.folder.root} ran out of space while writing swap files "
+                f"({err.strerror or err}); {sum(t.nbytes for t in writes):,} bytes were being written. Free space "
+                "or choose another NVMeOffload(path=...); restart from the last checkpoint."
+            ) from err
+        raise err
 
     def take_stats(self) -> SwapStats:
         out, self._step = self._step, SwapStats()

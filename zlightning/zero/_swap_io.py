@@ -18,10 +18,11 @@ go on until then. When the previous disposition is the default (terminate), the 
 signal is re-delivered with the default action, so the exit status still says "killed by SIGTERM".
 
 [Note: I/O engines]
-``zlightning.kernels.DeepSpeedIOEngine`` (libaio, native) is used when it is built; otherwise a portable engine runs
-``os.preadv``/``os.pwrite`` on a small thread pool (the GIL is released during the system calls, so transfers overlap
-compute). Both take aligned host tensors, split requests into ``block_size`` chunks and report failures from
-``wait()``. O_DIRECT bypasses the page cache (what NVMe offload needs: the cache would otherwise hold the very state
+All swap I/O goes through ``zlightning.kernels.DeepSpeedIOEngine``: its native io_uring backend when the kernels are
+built, else its thread pool of ``pread``/``pwrite`` (``NVMeOffload(io_engine="portable")`` asks for the pool,
+``"kernels"`` insists on the native one). This module adds what swap files need on top: block checksums (computed
+beside the transfers, see `KernelSwapIO`), the missing/truncated-file checks, and the swap folders. Both backends take
+aligned host tensors, split requests into ``block_size`` chunks and report failures from ``wait()``. O_DIRECT bypasses the page cache (what NVMe offload needs: the cache would otherwise hold the very state
 we are moving out of memory); where the file system refuses it, buffered I/O is used after a warning.
 """
 
@@ -90,8 +91,9 @@ def _probe_direct(folder: Path) -> str | None:
     if not hasattr(os, "O_DIRECT"):
         return "this platform has no O_DIRECT"
     probe = folder / f".odirect-probe-{uuid.uuid4().hex[:8]}"
-    buf = torch.empty(2 * IO_ALIGNMENT, dtype=torch.uint8)
-    view = _aligned(buf, IO_ALIGNMENT)
+    from zlightning.kernels._aio import aligned_empty  # the one aligned host allocator
+
+    view = aligned_empty(IO_ALIGNMENT, torch.uint8)
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
         try:
@@ -126,7 +128,7 @@ def check_swap_path(policy: NVMeOffload, needed_bytes: int) -> tuple[Path, bool]
             "NVMeOffload(path='/local/nvme/dir') to put swap files on a fast local drive.",
             stacklevel=3,
         )
-    elif not root.exists() and not root.parent.is_dir():
+    elif not root.exists() and not root.parent.exists():
         # See [Note: the swap path must exist].
         raise SwapPathError(
             f"NVMe offload path {root} does not exist, and neither does its parent folder {root.parent}: a mistyped "
@@ -382,12 +384,6 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 # ==================================================================== I/O engines
-def _aligned(buf: torch.Tensor, alignment: int) -> torch.Tensor:
-    """The aligned middle of a uint8 tensor over-allocated by ``alignment`` bytes."""
-    shift = (-buf.data_ptr()) % alignment
-    return buf[shift : shift + (buf.numel() - alignment)]
-
-
 def _cbuf(t: torch.Tensor) -> Any:
     """A zero-copy buffer-protocol object over a contiguous CPU tensor's bytes."""
     return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
@@ -434,17 +430,23 @@ def block_checksum(chunk: torch.Tensor) -> int:
 
 
 class SwapIO(Protocol):
-    """An asynchronous I/O handle over aligned host buffers; ``wait`` returns when every request has finished.
+    """An asynchronous I/O handle over aligned host buffers.
 
-    ``pwrite`` fills ``checksums`` (one ``block_checksum`` per ``block_size`` block of ``buf``); ``pread`` checks the blocks it
-    reads against ``checksums`` and ``wait`` raises ``SwapCorruptionError`` on a mismatch or a short file.
+    ``pread``/``pwrite`` submit one request and return its ticket. ``finish(ticket)`` waits for that request only
+    (others stay in flight) and raises its error; ``wait`` finishes every request. ``pwrite`` fills ``checksums``
+    (one ``block_checksum`` per ``block_size`` block of ``buf``); a read is checked against ``checksums`` when it is
+    finished, and ``SwapCorruptionError`` is raised on a mismatch or a short file.
     """
 
     block_size: int
 
-    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None: ...
+    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> Any: ...
 
-    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None: ...
+    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> Any: ...
+
+    def done(self, ticket: Any) -> bool: ...
+
+    def finish(self, ticket: Any) -> None: ...
 
     def wait(self) -> None: ...
 
@@ -474,90 +476,23 @@ def _verify(path: str, offset: int, block: int, chunk: torch.Tensor, expected: i
         )
 
 
-class PosixSwapIO:
-    """Portable engine: ``os.preadv``/``os.pwrite`` per block on a thread pool, checksums in the threads."""
-
-    def __init__(self, *, threads: int, block_size: int, direct: bool) -> None:
-        self.block_size = block_size
-        self.direct = direct
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zswap")
-        self._futures: list[Future[None]] = []
-        self._fds: dict[tuple[str, bool], int] = {}
-        self._fd_lock = threading.Lock()
-
-    def _fd(self, path: str, write: bool) -> int:
-        key = (path, write)
-        with self._fd_lock:
-            if key not in self._fds:
-                flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-                if self.direct:
-                    flags |= os.O_DIRECT
-                try:
-                    self._fds[key] = os.open(path, flags, 0o600)
-                except FileNotFoundError as err:
-                    raise SwapCorruptionError(f"swap file {path} is missing (removed outside this process)") from err
-            return self._fds[key]
-
-    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
-        fd = self._fd(path, write=False)
-        for i, chunk in enumerate(_blocks(buf, self.block_size)):
-            at = offset + i * self.block_size
-            self._futures.append(self._pool.submit(self._read_block, fd, chunk, at, path, i, checksums[i]))
-
-    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
-        fd = self._fd(path, write=True)
-        chunks = _blocks(buf, self.block_size)
-        checksums[:] = [0] * len(chunks)
-        for i, chunk in enumerate(chunks):
-            at = offset + i * self.block_size
-            self._futures.append(self._pool.submit(self._write_block, fd, chunk, at, path, i, checksums))
-
-    def _read_block(self, fd: int, chunk: torch.Tensor, offset: int, path: str, block: int, expected: int) -> None:
-        got = os.preadv(fd, [_cbuf(chunk)], offset)
-        if got != chunk.numel():
-            raise SwapCorruptionError(
-                f"swap file {path} is truncated: block {block} at byte {offset} gave {got} of {chunk.numel()} bytes. "
-                "The file was modified outside this process: restart from the last checkpoint."
-            )
-        _verify(path, offset, block, chunk, expected)
-
-    def _write_block(self, fd: int, chunk: torch.Tensor, offset: int, path: str, block: int, sums: list[int]) -> None:
-        sums[block] = block_checksum(chunk)
-        view = memoryview(_cbuf(chunk)).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-
-    def wait(self) -> None:
-        futures, self._futures = self._futures, []
-        first: BaseException | None = None
-        for f in futures:  # every request finishes even after a failure: buffers must be idle on return
-            err = f.exception()
-            if err is not None and first is None:
-                first = err
-        if first is not None:
-            raise first
-
-    def forget(self, path: str) -> None:
-        """Closes cached descriptors of ``path``."""
-        with self._fd_lock:
-            for key in [k for k in self._fds if k[0] == path]:
-                os.close(self._fds.pop(key))
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        except BaseException:  # noqa: BLE001 - closing after a failure must not raise again
-            pass
-        self._pool.shutdown(wait=True)
-        with self._fd_lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
 _POLL_S = 1e-4
 """How often ``KernelSwapIO.wait`` polls a read request for completion."""
+
+
+class _Ticket:
+    """One submitted request of a `KernelSwapIO`: the engine's request, the buffer and, for a write, the checksum
+    tasks that read the same buffer."""
+
+    def __init__(self, request: Any, write: bool, buf: torch.Tensor, path: str, offset: int, checksums: list[int],
+                 sums: list[Future[None]]) -> None:
+        self.request = request
+        self.write = write
+        self.buf = buf
+        self.path = path
+        self.offset = offset
+        self.checksums = checksums
+        self.sums = sums
 
 
 class KernelSwapIO:
@@ -568,6 +503,8 @@ class KernelSwapIO:
     verified before they land, but a swap-in is several requests (one per tensor): ``wait`` takes them in
     submission order and hands each one's blocks to the checksum pool the moment that request completes, so
     verifying tensor k overlaps reading tensors k+1..; only the last request's verification is exposed.
+    ``finish`` waits for one request (the optimizer's read-ahead keeps later ones in flight) and verifies it on the
+    pool too, one task per thread.
     """
 
     def __init__(self, engine: Any, block_size: int, threads: int) -> None:
@@ -575,11 +512,9 @@ class KernelSwapIO:
         self.block_size = block_size
         self._threads = max(1, threads)
         self._sums = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zswap-crc")
-        self._pending = 0
-        self._writes: list[Future[None]] = []
-        self._reads: list[tuple[Any, torch.Tensor, str, int, list[int]]] = []
+        self._open: list[_Ticket] = []  # submitted and not finished, in submission order
 
-    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
+    def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> _Ticket:
         nbytes = buf.numel() * buf.element_size()
         size = os.path.getsize(path) if os.path.exists(path) else -1
         if size < 0:
@@ -589,11 +524,11 @@ class KernelSwapIO:
                 f"swap file {path} is truncated: {size} bytes, needs {offset + nbytes}. The file was modified outside "
                 "this process: restart from the last checkpoint."
             )
-        request = self._engine.async_pread(_raw(buf), path, offset)
-        self._pending += 1
-        self._reads.append((request, buf, path, offset, checksums))
+        ticket = _Ticket(self._engine.async_pread(_raw(buf), path, offset), False, buf, path, offset, checksums, [])
+        self._open.append(ticket)
+        return ticket
 
-    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> None:
+    def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> _Ticket:
         chunks = _blocks(buf, self.block_size)
         checksums[:] = [0] * len(chunks)
 
@@ -601,9 +536,11 @@ class KernelSwapIO:
             for i, chunk in enumerate(group, first):
                 checksums[i] = block_checksum(chunk)
 
-        self._engine.async_pwrite(_raw(buf), path, offset)
-        self._pending += 1
-        self._writes += [self._sums.submit(fill, first, group) for first, group in self._groups(chunks)]
+        request = self._engine.async_pwrite(_raw(buf), path, offset)
+        sums = [self._sums.submit(fill, first, group) for first, group in self._groups(chunks)]
+        ticket = _Ticket(request, True, buf, path, offset, checksums, sums)
+        self._open.append(ticket)
+        return ticket
 
     def _groups(self, chunks: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
         """``chunks`` in one contiguous run per checksum thread (one task each, not one per block: the pool's
@@ -615,23 +552,60 @@ class KernelSwapIO:
         for i, chunk in enumerate(group, first):
             _verify(path, offset + i * self.block_size, i, chunk, sums[i])
 
+    def _verification(self, t: _Ticket) -> list[Future[None]]:
+        return [self._sums.submit(self._verify_request, t.path, t.offset, first, group, t.checksums)
+                for first, group in self._groups(_blocks(t.buf, self.block_size))]
+
+    def done(self, ticket: _Ticket) -> bool:
+        """Whether ``ticket``'s request (and, for a write, its checksums) completed; never blocks."""
+        return ticket.request.done() and all(f.done() for f in ticket.sums)
+
+    def finish(self, ticket: _Ticket) -> None:
+        """Waits for one request and checks it (its read blocks against their checksums).
+
+        Raises:
+            OSError: the request failed (``AIOError`` carries the errno).
+            SwapCorruptionError: a block read back differs from what was written.
+        """
+        if ticket not in self._open:
+            return
+        self._open.remove(ticket)
+        checks: list[Future[None]] = []
+        try:
+            ticket.request._wait()  # this request only (the engine's wait() takes every pending one)
+            if ticket.request.errors:
+                raise ticket.request.errors[0]
+            checks = ticket.sums if ticket.write else self._verification(ticket)
+            for f in checks:
+                f.result()
+        finally:  # no checksum thread may still read the buffer once it goes back to the pool
+            for f in ticket.sums + checks:
+                f.exception()
+            if not self._open:
+                self._drain_engine()
+
+    def _drain_engine(self) -> None:
+        """Clears the engine's list of pending requests once every ticket was finished (their errors were raised
+        by `finish` already)."""
+        try:
+            self._engine.wait()
+        except OSError:
+            pass
+
     def wait(self) -> None:
         """Waits for every request; read blocks are verified as soon as their request lands (see
         [Note: overlapped read verification]). I/O errors are raised before checksum mismatches: a failed read's
         buffer holds garbage that would otherwise be reported as corruption."""
-        sums, self._writes = self._writes, []
-        reads, self._reads = self._reads, []
+        tickets, self._open = self._open, []
+        sums = [f for t in tickets for f in t.sums]
         checks: list[Future[None]] = []
         try:
-            for request, buf, path, offset, sums_ in reads:
-                while not request.done():
-                    time.sleep(_POLL_S)
-                checks += [
-                    self._sums.submit(self._verify_request, path, offset, first, group, sums_)
-                    for first, group in self._groups(_blocks(buf, self.block_size))
-                ]
-            if self._pending:
-                self._pending = 0
+            for t in tickets:
+                if not t.write:
+                    while not t.request.done():
+                        time.sleep(_POLL_S)
+                    checks += self._verification(t)
+            if tickets:
                 self._engine.wait()  # raises AIOError (an OSError with the errno) after every request finished
             for f in sums:
                 f.result()
@@ -653,24 +627,14 @@ class KernelSwapIO:
         self._engine.close()
 
 
-def _kernel_engine(policy: NVMeOffload, direct: bool) -> Any | None:
-    try:
-        from zlightning.kernels import DeepSpeedIOEngine
-    except Exception:  # noqa: BLE001 - not built/installed here: the portable engine is used
-        return None
-    return DeepSpeedIOEngine(
-        block_size=policy.block_size,
-        queue_depth=policy.queue_depth,
-        intra_op_parallelism=policy.io_threads,
-        o_direct=direct,
-    )
-
-
 def make_swap_io(policy: NVMeOffload, direct: bool) -> SwapIO:
-    """One I/O handle per ``policy.io_engine`` (see [Note: I/O engines])."""
-    engine = _kernel_engine(policy, direct) if policy.io_engine != "portable" else None
-    if engine is None and policy.io_engine == "kernels":
-        raise RuntimeError("NVMeOffload(io_engine='kernels') but zlightning.kernels.DeepSpeedIOEngine cannot be imported")
-    if engine is not None:
-        return KernelSwapIO(engine, policy.block_size, policy.io_threads)
-    return PosixSwapIO(threads=policy.io_threads, block_size=policy.block_size, direct=direct)
+    """The swap I/O handle over ``zlightning.kernels.DeepSpeedIOEngine`` (see [Note: I/O engines])."""
+    from zlightning.kernels import DeepSpeedIOEngine
+
+    backend = {"auto": "auto", "kernels": "native", "portable": "python"}[policy.io_engine]
+    try:
+        engine = DeepSpeedIOEngine(block_size=policy.block_size, queue_depth=policy.queue_depth,
+                                   intra_op_parallelism=policy.io_threads, o_direct=direct, backend=backend)
+    except RuntimeError as err:
+        raise RuntimeError(f"NVMeOffload(io_engine={policy.io_engine!r}): {err}") from err
+    return KernelSwapIO(engine, policy.block_size, policy.io_threads)
