@@ -1,4 +1,4 @@
-"""Native kernels (issue 9): async tensor I/O, CPU Adam, group-wise quantization.
+"""Native kernels: async tensor I/O, CPU Adam, group-wise quantization, and a caching host allocator.
 
 Each op has a compiled implementation (C++ registered with ``torch.library``, built ahead of time by ``make install``
 or ``python -m zlightning.kernels._build``) and a pure-PyTorch reference used as the fallback and in tests.

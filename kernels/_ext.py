@@ -13,7 +13,6 @@ import re
 import threading
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -132,9 +131,3 @@ def _register_cuda() -> None:
 
     torch.library.impl("zlightning::quantize", "CUDA")(_quant.quantize_cuda)
     torch.library.impl("zlightning::dequantize", "CUDA")(_quant.dequantize_cuda)
-
-
-def library_dir() -> Path | None:
-    """Directory of the loaded (or expected) library."""
-    s = status()
-    return Path(s.library).parent if s.library else None

@@ -2,8 +2,11 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from zlightning._safe_load import register_lightning_safe_globals
 from zlightning.strategies.pipeline import PipelineStrategy
 from zlightning.strategies.zero3 import ZStackZero3Strategy
+
+register_lightning_safe_globals()  # Lightning's own checkpoint loads meet saved AttributeDicts
 
 if ZStackZero3Strategy.strategy_name not in StrategyRegistry:
     ZStackZero3Strategy.register_strategies(StrategyRegistry)

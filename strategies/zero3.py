@@ -90,7 +90,7 @@ from zlightning.zero import (
     zero3_shard,
 )
 
-__all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor", "ZeroStrategy"]
+__all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor"]
 
 log = logging.getLogger(__name__)
 
@@ -672,6 +672,3 @@ class ZeroMemoryMonitor(Callback):
         mb = {f"memory/zero_{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
         pl_module.log_dict(mb, rank_zero_only=True)
 
-
-ZeroStrategy = ZStackZero3Strategy
-"""Short name: ``ZeroStrategy(offload_optimizer=NVMeOffload(path=...), offload_params=NVMeOffload(path=...))``."""

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlightning.compression import dequantize, fake_quantize, quantize, scheduled_bits
+from zlightning.compression import dequantize_weight, fake_quantize, quantize_weight, scheduled_bits
 from zlightning.compression._quantize import pack_codes, unpack_codes
 
 
@@ -19,10 +19,10 @@ def _x(seed: int, shape=(8, 32)) -> torch.Tensor:
 @given(seed=st.integers(0, 10_000), bits=st.integers(3, 8), groups=st.sampled_from([1, 2, 8]))
 def test_symmetric_grid_error_and_levels(seed: int, bits: int, groups: int) -> None:
     x = _x(seed)
-    q = quantize(x, bits, "symmetric", groups)
+    q = quantize_weight(x, bits, "symmetric", groups)
     qmax = 2 ** (bits - 1) - 1
     assert int(q.codes.min()) >= -qmax and int(q.codes.max()) <= qmax
-    y = dequantize(q)
+    y = dequantize_weight(q)
     # error at most half a step everywhere (no clipping of the maximum, see [Note: quantizer grids])
     err = (y - x).reshape(groups, -1).abs()
     assert bool((err <= q.scale / 2 + 1e-6).all())
@@ -35,8 +35,8 @@ def test_symmetric_grid_error_and_levels(seed: int, bits: int, groups: int) -> N
 def test_asymmetric_keeps_zero_exact_and_levels(seed: int, bits: int) -> None:
     x = _x(seed).abs() + 0.5  # all positive: zero is still representable
     x[0, 0] = 0.0
-    q = quantize(x, bits, "asymmetric", 4)
-    y = dequantize(q)
+    q = quantize_weight(x, bits, "asymmetric", 4)
+    y = dequantize_weight(q)
     assert y[0, 0].item() == 0.0
     assert int(q.codes.min()) >= 0 and int(q.codes.max()) <= 2**bits - 1
     assert all(row.unique().numel() <= 2**bits for row in y.reshape(4, -1))
@@ -52,7 +52,7 @@ def test_ternary_and_binary_levels() -> None:
         assert row_b.unique().numel() <= 2
         torch.testing.assert_close(row_b.abs(), row_x.abs().mean().expand_as(row_b))
     with pytest.raises(ValueError, match="symmetric only"):
-        quantize(x, 2, "asymmetric")
+        quantize_weight(x, 2, "asymmetric")
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -66,7 +66,7 @@ def test_straight_through_gradient(bits: int) -> None:
                                          (4, "asymmetric"), (8, "symmetric"), (8, "asymmetric"), (12, "symmetric")])
 def test_pack_unpack_is_exact(bits: int, scheme: str) -> None:
     x = _x(3, (7, 9))  # odd sizes exercise padding
-    q = quantize(x, bits, scheme, 7)
+    q = quantize_weight(x, bits, scheme, 7)
     packed = pack_codes(q)
     codes = unpack_codes(packed, bits, x.numel(), q.code_offset)
     assert torch.equal(codes, q.codes.flatten())
@@ -74,12 +74,12 @@ def test_pack_unpack_is_exact(bits: int, scheme: str) -> None:
     if bits <= 8:
         assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(x.numel() * container / 8)
     # exact round trip at the target bits: dequantized codes are the fake-quantized values, bit for bit
-    assert torch.equal(dequantize(q), fake_quantize(x, bits, scheme, 7))
+    assert torch.equal(dequantize_weight(q), fake_quantize(x, bits, scheme, 7))
 
 
 def test_bad_group_count_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="quantize_groups dividing"):
-        quantize(_x(0), 8, num_groups=5)
+        quantize_weight(_x(0), 8, num_groups=5)
 
 
 def test_bit_schedule_doubles_period() -> None:
@@ -143,7 +143,7 @@ def test_native_kernel_path_is_bit_identical(bits: int, shape: tuple[int, int], 
     for dtype in (torch.float32, torch.bfloat16):
         x = (_x(8, shape) * 0.05).to(dtype)
         x[0, 0] = 0.0
-        reference = dequantize(quantize(x, bits, "symmetric", groups))
+        reference = dequantize_weight(quantize_weight(x, bits, "symmetric", groups))
         native = _kernel_fake_quantize(x, bits, groups)
         if native is not None:  # None: kernels not built here, or this group size is not theirs
             assert native.dtype == dtype and torch.equal(native, reference)

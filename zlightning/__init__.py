@@ -1,18 +1,68 @@
 """zlightning: Lightning-native large-model training (ZeRO-3, offload, pipelines, curriculum data, compression).
 
-Importing the package registers its strategies with Lightning's ``StrategyRegistry`` so that
-``Trainer(strategy="zstack_zero3")`` works.
+Importing the package makes ``Trainer(strategy="zstack_zero3")`` (and the other zstack names) work, without loading
+Lightning itself: see [Note: registering strategies without importing Lightning].
+
+[Note: registering strategies without importing Lightning]
+The engines (``zlightning.zero``, ``pipe``, ``compile``, ``inject``, ``compression``, ``kernels``) import only torch, and
+every rank a training job spawns imports them; loading Lightning there would cost each rank dozens of modules. So
+``import zlightning`` registers the strategies with Lightning's ``StrategyRegistry`` only once Lightning is there: at
+once when ``lightning.pytorch`` is already imported, otherwise from an import hook that runs right after
+``lightning.pytorch`` finishes importing (in whatever order a program imports the two). ``import
+zlightning.strategies`` registers directly.
 """
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any
 
 __version__ = "0.1.0"
 
 
 def _register_strategies() -> None:
+    package = sys.modules.get("zlightning.strategies")
+    if package is not None and getattr(package.__spec__, "_initializing", False):
+        return  # it is importing Lightning right now: its __init__ registers when it is done
     try:
         from zlightning.strategies import _register  # noqa: F401  (import-time registration)
-    except ImportError as err:  # lightning missing: the Lightning-free engines stay importable
-        if "lightning" not in str(err):
+    except ModuleNotFoundError as err:  # Lightning is not installed: the Lightning-free engines stay importable
+        if not (err.name or "").startswith("lightning"):
             raise
+
+
+class _AfterLightning(importlib.abc.MetaPathFinder):
+    """Registers the strategies right after ``lightning.pytorch`` is imported (see the note)."""
+
+    def find_spec(self, name: str, path: Any, target: ModuleType | None = None) -> Any:
+        if name != "lightning.pytorch":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _RegisteringLoader(spec.loader)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterLightning)]
+        return spec
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        _register_strategies()
+
+
+def _register_when_lightning_loads() -> None:
+    if "lightning.pytorch" in sys.modules:
+        _register_strategies()
+    elif not any(isinstance(f, _AfterLightning) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterLightning())
 
 
 def _quiet_lightning_noise() -> None:
@@ -57,5 +107,5 @@ class _NoTips:
         return not msg.startswith(self._DROPPED)
 
 
-_register_strategies()
+_register_when_lightning_loads()
 _quiet_lightning_noise()

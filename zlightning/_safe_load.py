@@ -35,6 +35,7 @@ import os
 import pathlib
 import pickle
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,12 +82,22 @@ def _numpy_globals() -> list[Any]:
     return out
 
 
-def _lightning_globals() -> list[Any]:
-    try:
-        from lightning.fabric.utilities.data import AttributeDict
-    except ImportError:  # the Lightning-free engines work without it
-        return []
-    return [AttributeDict]
+_lightning_registered = False
+
+
+def register_lightning_safe_globals() -> None:
+    """Allows Lightning's ``AttributeDict`` (saved hyper-parameters) in weights-only loads, once Lightning is loaded.
+
+    Called by the Lightning strategies and before every load; it never imports Lightning itself, so the engines stay
+    Lightning-free (a process that never imported Lightning cannot be loading Lightning's hyper-parameters).
+    """
+    global _lightning_registered
+    if _lightning_registered or "lightning.fabric" not in sys.modules:
+        return
+    from lightning.fabric.utilities.data import AttributeDict
+
+    torch.serialization.add_safe_globals([AttributeDict])
+    _lightning_registered = True
 
 
 def _register_safe_globals() -> None:
@@ -94,7 +105,8 @@ def _register_safe_globals() -> None:
         pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath
     ]
     paths += [(cls, f"pathlib.{cls.__name__}") for cls in paths if cls.__module__ != "pathlib"]  # Python >= 3.13
-    torch.serialization.add_safe_globals([argparse.Namespace, *paths, *_numpy_globals(), *_lightning_globals()])
+    torch.serialization.add_safe_globals([argparse.Namespace, *paths, *_numpy_globals()])
+    register_lightning_safe_globals()
 
 
 _register_safe_globals()
@@ -133,6 +145,7 @@ def load_file(
     Raises:
         UnsafeCheckpointError: the file names a type weights-only loading refuses (nothing from it was called).
     """
+    register_lightning_safe_globals()
     if weights_only is False:
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     try:

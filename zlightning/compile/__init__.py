@@ -1,4 +1,4 @@
-"""A ZeRO-aware ``torch.compile`` backend (issue 7).
+"""A ZeRO-aware ``torch.compile`` backend.
 
 Public surface::
 

@@ -31,7 +31,7 @@ from zlightning.compression._config import (
 from zlightning.compression._deepspeed import UnknownCompressionKeysError
 from zlightning.compression._distill import distillation_loss
 from zlightning.compression._export import ExportReport, load_compressed, save_compressed
-from zlightning.compression._quantize import dequantize, fake_quantize, quantize, scheduled_bits
+from zlightning.compression._quantize import QuantizedWeight, dequantize_weight, fake_quantize, quantize_weight, scheduled_bits
 
 __all__ = [
     "ActivationQuantGroup",
@@ -49,14 +49,31 @@ __all__ = [
     "WeightQuantizationConfig",
     "apply_schedule",
     "compression_stats",
-    "dequantize",
+    "QuantizedWeight",
+    "dequantize_weight",
     "distillation_loss",
     "fake_quantize",
     "init_compression",
     "load_compressed",
-    "quantize",
+    "quantize_weight",
     "redundancy_clean",
     "reduce_layers",
     "save_compressed",
     "scheduled_bits",
 ]
+
+
+_RENAMED = {"quantize": "quantize_weight", "dequantize": "dequantize_weight", "QuantizedTensor": "QuantizedWeight"}
+
+
+def __getattr__(name: str) -> object:
+    """Old names of the weight quantizer, kept working with a warning: ``quantize``/``QuantizedTensor`` are the
+    native group-size kernels' names (``zlightning.kernels``); here quantization is by number of groups."""
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"zlightning.compression.{name} is now {new} (zlightning.kernels.{name} is the native kernel, "
+                      "by group size)", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module 'zlightning.compression' has no attribute {name!r}")

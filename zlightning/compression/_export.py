@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from zlightning._safe_load import load_file
 from zlightning.compression._api import HEAD_COUNT_ATTRS, _clean, _root
 from zlightning.compression._modules import COMPRESSED_TYPES, TECHNIQUES
-from zlightning.compression._quantize import QuantizedTensor, dequantize, pack_codes, quantize, unpack_codes
+from zlightning.compression._quantize import QuantizedWeight, dequantize_weight, pack_codes, quantize_weight, unpack_codes
 
 __all__ = ["ExportReport", "load_compressed", "save_compressed"]
 
@@ -61,7 +61,7 @@ def _saved_size(obj: object) -> int:
     return buf.tell()
 
 
-def _per_row(q: QuantizedTensor) -> dict[str, Tensor | None]:
+def _per_row(q: QuantizedWeight) -> dict[str, Tensor | None]:
     rows = q.shape[0]
     rep = rows // q.scale.shape[0]
     codes = q.codes.reshape(q.shape)  # weight-shaped, so physical removals can index it
@@ -103,8 +103,8 @@ def _expand_scales(entry: dict) -> dict:
             "zero_point": None if zp is None else zp.repeat_interleave(rep, dim=0)}
 
 
-def _quantize_layers(root: nn.Module) -> dict[str, tuple[QuantizedTensor, dict]]:
-    out: dict[str, tuple[QuantizedTensor, dict]] = {}
+def _quantize_layers(root: nn.Module) -> dict[str, tuple[QuantizedWeight, dict]]:
+    out: dict[str, tuple[QuantizedWeight, dict]] = {}
     seen: set[int] = set()
     with torch.no_grad():
         for name, m in root.named_modules():
@@ -112,7 +112,7 @@ def _quantize_layers(root: nn.Module) -> dict[str, tuple[QuantizedTensor, dict]]
             if wq is None or not wq.active or id(m.weight) in seen:
                 continue
             seen.add(id(m.weight))
-            q = quantize(m.compressed_weight(quantize=False), wq.bits, wq.scheme, wq.num_groups)
+            q = quantize_weight(m.compressed_weight(quantize=False), wq.bits, wq.scheme, wq.num_groups)
             out[f"{name}.weight" if name else "weight"] = (q, _per_row(q))
     return out
 
@@ -154,7 +154,7 @@ def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> ExportRep
         codes = rows["codes"]
         if not torch.equal(_row_dequantize(entry, codes), weight):
             raise AssertionError(f"export of {key} does not reproduce the cleaned weight")
-        flat = QuantizedTensor(codes.reshape(1, -1), q.scale, None, q.bits, q.scheme, tuple(weight.shape), weight.dtype)
+        flat = QuantizedWeight(codes.reshape(1, -1), q.scale, None, q.bits, q.scheme, tuple(weight.shape), weight.dtype)
         entry["packed"] = pack_codes(flat)
         _compact_scales(entry)
         quantized[key] = entry

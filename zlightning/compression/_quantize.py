@@ -19,7 +19,7 @@ its own scale (and zero point). Shape suffixes: G = groups, E = elements per gro
 Symmetric int8/int4 fake quantization (the common QAT case) goes through ``zlightning.kernels.quantize`` /
 ``dequantize`` when their compiled CPU op is built, or on CUDA: the kernels use the same grid (``scale = absmax /
 qmax``, codes clamped to ``[-qmax, qmax]``, round half to even, fp32 arithmetic) over the same contiguous groups, so
-their values are bit-identical to `dequantize(quantize(...))` (a test checks it) and about an order of magnitude
+their values are bit-identical to `dequantize_weight(quantize_weight(...))` (a test checks it) and about an order of magnitude
 faster on CPU. Everything else (asymmetric, other widths, stochastic rounding, group sizes the kernels reject, no
 kernels built) uses the PyTorch code here; the straight-through gradient is the same either way.
 """
@@ -32,13 +32,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["QuantizedTensor", "dequantize", "fake_quantize", "pack_codes", "quantize", "scheduled_bits", "unpack_codes"]
+__all__ = ["QuantizedWeight", "dequantize_weight", "fake_quantize", "pack_codes", "quantize_weight", "scheduled_bits", "unpack_codes"]
 
 Scheme = Literal["symmetric", "asymmetric"]
 
 
 @dataclass(frozen=True)
-class QuantizedTensor:
+class QuantizedWeight:
     """Integer codes of a tensor with per-group scales (and zero points for asymmetric)."""
 
     codes: Tensor
@@ -71,7 +71,7 @@ def _grouped(x: Tensor, num_groups: int) -> Tensor:
     return x.detach().reshape(num_groups, -1).float()
 
 
-def quantize(x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int = 1, stochastic: bool = False) -> QuantizedTensor:
+def quantize_weight(x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int = 1, stochastic: bool = False) -> QuantizedWeight:
     """Integer codes and scales of ``x``; see [Note: quantizer grids].
 
     Args:
@@ -111,10 +111,10 @@ def quantize(x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int
             scale = ((hi - lo) / (2**bits - 1)).clamp(min=torch.finfo(torch.float32).tiny)
             zero_point = torch.round(-lo / scale)
             codes = torch.clamp(torch.round(x_GE / scale + noise) + zero_point, 0, 2**bits - 1)
-    return QuantizedTensor(codes.to(torch.int32), scale, zero_point, bits, scheme, tuple(x.shape), x.dtype)
+    return QuantizedWeight(codes.to(torch.int32), scale, zero_point, bits, scheme, tuple(x.shape), x.dtype)
 
 
-def dequantize(q: QuantizedTensor) -> Tensor:
+def dequantize_weight(q: QuantizedWeight) -> Tensor:
     """Values of ``q`` in its original shape and dtype."""
     codes = q.codes.float()
     if q.zero_point is not None:
@@ -155,10 +155,10 @@ def _kernel_fake_quantize(x: Tensor, bits: int, num_groups: int) -> Tensor | Non
 
 
 def fake_quantize(x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int = 1, stochastic: bool = False) -> Tensor:
-    """``dequantize(quantize(x))`` with a straight-through gradient to ``x``; see [Note: native quantize kernels]."""
+    """``dequantize_weight(quantize_weight(x))`` with a straight-through gradient to ``x``; see [Note: native quantize kernels]."""
     q = _kernel_fake_quantize(x, bits, num_groups) if scheme == "symmetric" and not stochastic else None
     if q is None:
-        q = dequantize(quantize(x, bits, scheme, num_groups, stochastic))
+        q = dequantize_weight(quantize_weight(x, bits, scheme, num_groups, stochastic))
     return _StraightThrough.apply(x, q)
 
 
@@ -166,7 +166,7 @@ def _container_bits(bits: int) -> int:
     return 1 if bits == 1 else 2 if bits == 2 else 4 if bits <= 4 else 8
 
 
-def pack_codes(q: QuantizedTensor) -> Tensor:
+def pack_codes(q: QuantizedWeight) -> Tensor:
     """Codes as a flat uint8 tensor, ``8 // c`` codes per byte for container width c in {1, 2, 4, 8} (3-bit codes go in
     4-bit slots, 5..8-bit codes in bytes). For bits > 8 an int16 tensor is returned instead.
     """
