@@ -3,6 +3,8 @@ calls. Each strategy adds its engine, checkpoints and data-parallel group on top
 
 from __future__ import annotations
 
+import os
+
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -30,6 +32,9 @@ from zlightning.strategies._launch import RankLauncher, SpawnRankLauncher, insta
 __all__ = ["LaunchedParallelStrategy"]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+_FLIGHT_RECORDER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
 class LaunchedParallelStrategy(ParallelStrategy):
@@ -127,6 +132,14 @@ class LaunchedParallelStrategy(ParallelStrategy):
         else:
             self._launcher = SpawnRankLauncher(self, start_method=self._start_method)
 
+    # [Note: gloo's flight recorder]
+    # torch's gloo backend keeps a trace entry per collective in a ring buffer (the "flight recorder", sized by
+    # TORCH_FR_BUFFER_SIZE), about 1 KB each. The ZeRO-3 engine's in-place host collectives issue one broadcast or
+    # reduce per rank and unit, so on CPU the buffer fills over the first steps and shows as resident memory that
+    # creeps for tens of steps (MBs) before it levels off. Host-only (gloo) process groups therefore start with it
+    # off; a run that sets TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE) itself keeps its value, and NCCL
+    # groups are untouched. zlightning's own hang reports do not depend on it.
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -139,6 +152,8 @@ class LaunchedParallelStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         if self.cluster_environment is None:
             raise AssertionError("cluster_environment must be set before setup_environment")
+        if backend == "gloo" and not any(k in os.environ for k in _FLIGHT_RECORDER_VARS):
+            os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # see [Note: gloo's flight recorder]
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         install_sigterm_handler()  # ranks started by spawn, or by another tool (torchrun, SLURM)
         install_failure_report(self.global_rank, self.world_size)  # after init_process_group's own excepthook
