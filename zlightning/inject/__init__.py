@@ -1,4 +1,4 @@
-"""Module injection (issue 7): automatic tensor parallelism for training and fused-kernel injection.
+"""Module injection: automatic tensor parallelism for training and fused-kernel injection.
 
 Public surface::
 
