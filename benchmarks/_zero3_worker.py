@@ -42,7 +42,7 @@ MEMORY_REPORT_FIELDS = (
     "gathered_bytes",
     "model_state_bytes",
 )
-"""The integer attributes of ``ZeroStrategy.memory_report()`` that the benchmark records."""
+"""The integer attributes of ``ZStackZero3Strategy.memory_report()`` that the benchmark records."""
 
 
 def run_fsdp2(config: BenchConfig, env: RankEnv, out_dir: Path) -> dict[str, Any]:

@@ -4,10 +4,18 @@ Run it with ``make bench`` (``.venv/bin/python benchmarks/zero3.py``); ``--quick
 
 Every variant trains the same GPT (``examples.gpt_model``: d_model 512, 6 layers, 8 heads, vocabulary 256) on the
 same random byte tokens (sequence 256, micro-batch 8 per rank) with torch AdamW (lr 1e-4) in fp32, on 2 ranks over
-gloo with 1 thread each. Variants run one after another, each in 2 fresh processes started here (rank workers:
-``_zero3_worker.py`` in this venv, ``_deepspeed_worker.py`` in ``benchmarks/.venv-deepspeed``), each under a timeout.
-A variant that fails or times out is recorded as such; zstack_zero3 failing (for example because ``zlightning``
-does not register it yet) is recorded as "unavailable: <reason>". The others still run.
+gloo with 1 thread each. Each run of a variant is 2 fresh processes started here (rank workers: ``_zero3_worker.py``
+in this venv, ``_deepspeed_worker.py`` in ``benchmarks/.venv-deepspeed``), under a timeout. A variant that fails or
+times out is recorded as such; zstack_zero3 failing (for example because ``zlightning`` does not register it yet) is
+recorded as "unavailable: <reason>". The others still run.
+
+[Note: interleaved repeats]
+The machine is shared, so its load drifts over minutes: variants run back to back once each would compare
+different machines. Every variant therefore runs ``--repeats`` times (default 3), interleaved: repetition ``k`` runs
+all variants, starting one further along the list each time (so no variant always follows the same neighbour).
+A variant's step time is the median of its runs' medians, and its ratio to DDP is the median of the per-repetition
+ratios (each taken between runs minutes apart, not across the whole benchmark). Every run's median and the load
+average when it started are in the JSON, so a noisy repetition is visible.
 
 Outputs (``--quick`` writes ``zero3_quick.*`` instead, so it never overwrites a full run):
   * ``benchmarks/results/zero3.json``: config, machine, per-variant and per-rank numbers, ratios;
@@ -63,6 +71,10 @@ class VariantOutcome:
     """Wall time of the whole variant, including process start-up and model construction."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """One result per rank (see the workers), sorted by rank; empty unless every rank succeeded."""
+    repetition: int = 0
+    """Which interleaved repetition this run belongs to (see [Note: interleaved repeats])."""
+    loadavg: list[float] = field(default_factory=list)
+    """1, 5 and 15-minute load averages when the run started."""
 
 
 def find_free_port() -> int:
@@ -129,7 +141,14 @@ def _wait_ranks(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> str:
 
 
 def run_variant(variant: str, config: BenchConfig, args: argparse.Namespace) -> VariantOutcome:
-    """Runs ``variant`` in ``config.world_size`` fresh processes and collects their ``rank<k>.json``."""
+    """Runs ``variant`` once in ``config.world_size`` fresh processes and collects their ``rank<k>.json``."""
+    load = [round(x, 2) for x in os.getloadavg()]
+    outcome = _run_variant_once(variant, config, args)
+    outcome.loadavg = load
+    return outcome
+
+
+def _run_variant_once(variant: str, config: BenchConfig, args: argparse.Namespace) -> VariantOutcome:
     start = time.monotonic()
     cmd = worker_command(variant, args.deepspeed_python)
     if not Path(cmd[0]).exists():
@@ -210,23 +229,34 @@ def machine_info() -> dict[str, Any]:
 
 
 def summarize(outcomes: list[VariantOutcome], full: dict[str, int]) -> list[dict[str, Any]]:
-    """Per-variant, per-rank numbers and their ratios to DDP (same rank) and to the full model state."""
-    ddp = next((o for o in outcomes if o.variant == "ddp" and o.status == "ok"), None)
+    """Per-variant, per-rank numbers over the variant's runs, and their ratios to DDP (same rank) and to the full
+    model state (see [Note: interleaved repeats])."""
+    ddp_runs = {o.repetition: o for o in outcomes if o.variant == "ddp" and o.status == "ok"}
     rows = []
-    for outcome in outcomes:
-        entry: dict[str, Any] = {"variant": outcome.variant, "status": outcome.status,
-                                 "wall_s": round(outcome.wall_s, 2), "ranks": []}
-        for r in outcome.ranks:
-            median = statistics.median(r["step_times_s"])
+    for variant in dict.fromkeys(o.variant for o in outcomes):
+        runs = [o for o in outcomes if o.variant == variant]
+        ok = [o for o in runs if o.status == "ok"]
+        entry: dict[str, Any] = {
+            "variant": variant, "status": "ok" if ok else runs[-1].status, "runs": len(runs), "runs_ok": len(ok),
+            "wall_s": round(sum(o.wall_s for o in runs), 2), "ranks": [],
+            "run_status": [o.status for o in runs], "run_loadavg": [o.loadavg for o in runs],
+        }
+        for rank in range(len(ok[0].ranks) if ok else 0):
+            per_run = [statistics.median(o.ranks[rank]["step_times_s"]) for o in ok]
+            paired = [statistics.median(o.ranks[rank]["step_times_s"])
+                      / statistics.median(ddp_runs[o.repetition].ranks[rank]["step_times_s"])
+                      for o in ok if o.repetition in ddp_runs]
+            r = ok[-1].ranks[rank]
             state = r["memory"]["model_state_bytes"]
-            ddp_median = statistics.median(ddp.ranks[r["rank"]]["step_times_s"]) if ddp else None
             entry["ranks"].append({
-                "rank": r["rank"],
-                "median_step_s": median,
-                "step_time_x_ddp": median / ddp_median if ddp_median else None,
+                "rank": rank,
+                "median_step_s": statistics.median(per_run),
+                "runs_median_step_s": per_run,
+                "step_time_x_ddp": statistics.median(paired) if paired else None,
+                "runs_step_time_x_ddp": paired,
                 "model_state_bytes": state,
                 "model_state_fraction_of_full": state / full["model_state_bytes"],
-                "peak_rss_kib": r["peak_rss_kib"],
+                "peak_rss_kib": max(o.ranks[rank]["peak_rss_kib"] for o in ok),
                 "rss_before_train_kib": r.get("rss_before_train_kib"),
                 "memory": r["memory"],
                 "step_times_s": r["step_times_s"],
@@ -241,7 +271,7 @@ def summarize(outcomes: list[VariantOutcome], full: dict[str, int]) -> list[dict
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The results as a Markdown table, one line per variant and rank (MB = 10^6 bytes; RSS from KiB)."""
     lines = [
-        "| variant | step time (s) | × DDP | model-state MB/rank | ÷ full model | peak RSS MB/rank |",
+        "| variant | step time (s) (each run's median) | × DDP | model-state MB/rank | ÷ full model | peak RSS MB/rank |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -250,8 +280,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             continue
         for r in row["ranks"]:
             ratio = "—" if r["step_time_x_ddp"] is None else f"{r['step_time_x_ddp']:.2f}"
+            runs = ", ".join(f"{x:.2f}" for x in r.get("runs_median_step_s", []))
             lines.append(
-                f"| {row['variant']} (rank {r['rank']}) | {r['median_step_s']:.3f} | {ratio} | "
+                f"| {row['variant']} (rank {r['rank']}) | {r['median_step_s']:.3f} ({runs}) | {ratio} | "
                 f"{r['model_state_bytes'] / MB:.1f} | {r['model_state_fraction_of_full']:.3f} | "
                 f"{r['peak_rss_kib'] * 1024 / MB:.0f} |"
             )
@@ -265,14 +296,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps; writes zero3_quick.*")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="subset to run, in this order (default: all)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant (default 900)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run of a variant (default 900)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of every variant, interleaved (default 3; see [Note: interleaved repeats])")
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR / "results")
     parser.add_argument("--deepspeed-python", type=Path, default=DEEPSPEED_VENV / "bin" / "python")
     parser.add_argument("--skip-deepspeed-setup", action="store_true",
                         help=f"do not run {SETUP_SCRIPT.name} when the DeepSpeed venv is missing")
     args = parser.parse_args()
     if args.quick:
-        args.warmup, args.steps = 1, 2
+        args.warmup, args.steps, args.repeats = 1, 2, 1
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     args.stem = "zero3_quick" if args.quick else "zero3"
     return args
 
@@ -288,12 +323,16 @@ def main() -> int:
     with torch.device("meta"):
         full = full_model_state_bytes(build_model(config))
     outcomes = []
-    for variant in args.variants:
-        print(f">> {variant}: {config.world_size} ranks, {config.warmup_steps} warm-up + {config.timed_steps} "
-              f"timed steps (timeout {args.timeout:.0f} s)", flush=True)
-        outcome = run_variant(variant, config, args)
-        print(f">> {variant}: {outcome.status} ({outcome.wall_s:.1f} s)", flush=True)
-        outcomes.append(outcome)
+    for repetition in range(args.repeats):  # see [Note: interleaved repeats]
+        shift = repetition % len(args.variants)
+        for variant in args.variants[shift:] + args.variants[:shift]:
+            print(f">> [{repetition + 1}/{args.repeats}] {variant}: {config.world_size} ranks, {config.warmup_steps} "
+                  f"warm-up + {config.timed_steps} timed steps (timeout {args.timeout:.0f} s), load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            outcome = run_variant(variant, config, args)
+            outcome.repetition = repetition
+            print(f">> {variant}: {outcome.status} ({outcome.wall_s:.1f} s)", flush=True)
+            outcomes.append(outcome)
     rows = summarize(outcomes, full)
     report = {
         "benchmark": "zero3",
@@ -302,8 +341,12 @@ def main() -> int:
         "optimizer": {"name": "torch.optim.AdamW", "lr": config.lr, "precision": "fp32"},
         "full_model": full,
         "machine": {**machine_info(), "torch_main_venv": torch.__version__},
+        "repeats": args.repeats,
         "definitions": {
-            "median_step_s": "median wall time between consecutive optimizer-step ends over the timed steps",
+            "median_step_s": "median over the variant's runs of each run's median wall time between consecutive "
+                             "optimizer-step ends over the timed steps (runs interleaved with the other variants)",
+            "step_time_x_ddp": "median over repetitions of (this run's median step / DDP's run in the same "
+                               "repetition)",
             "model_state_bytes": "params + grads + optimizer state resident on the rank after the last step, "
                                  "distinct storages (see benchmarks/_bench_common.py)",
             "model_state_fraction_of_full": "model_state_bytes / (4 x unsharded fp32 param bytes)",
@@ -313,8 +356,12 @@ def main() -> int:
     }
     (args.out_dir / f"{args.stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown_table(rows)
+    loads = [o.loadavg[0] for o in outcomes if o.loadavg]
     header = (f"# ZeRO-3 benchmark ({config.world_size} CPU ranks, gloo, {config.threads} thread each; "
-              f"{config.warmup_steps} warm-up + {config.timed_steps} timed steps)\n\n"
+              f"{config.warmup_steps} warm-up + {config.timed_steps} timed steps; every variant {args.repeats} "
+              f"times, interleaved: medians of the runs)\n\n"
+              f"Load average (1 min) when runs started: {min(loads, default=0):.1f} to {max(loads, default=0):.1f}."
+              " Ratios to DDP are medians of per-repetition ratios.\n\n"
               f"Full fp32 model state (params + grads + 2 AdamW moments): {full['model_state_bytes'] / MB:.1f} MB "
               f"({full['params']:,} parameters). MB = 10^6 bytes.\n\n")
     (args.out_dir / f"{args.stem}.md").write_text(header + table)
