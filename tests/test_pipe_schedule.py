@@ -118,3 +118,13 @@ def test_schedule_argument_errors() -> None:
         build_schedule("1f1b", 2, 0)
     with pytest.raises(ValueError, match="interleaved_1f1b"):
         build_schedule("1f1b", 2, 2, virtual_stages=2)
+
+
+def test_csv_skips_blank_lines_and_locates_bad_cells() -> None:
+    sched = build_schedule("1f1b", 2, 2)
+    text = "\n" + sched.to_csv().replace("\r\n", "\n\n") + " , \n"  # blank lines and a line of empty cells
+    back = Schedule.from_csv(text, name=sched.name, num_stages=2, num_microbatches=2)
+    assert back.num_ranks == 2 and back.programs == sched.programs
+    simulate(back)
+    with pytest.raises(ValueError, match=r"schedule CSV line 2, column 2: cannot parse pipeline action 'X1'"):
+        Schedule.from_csv("0F0\n1F0,X1\n", name="custom", num_stages=2, num_microbatches=1)

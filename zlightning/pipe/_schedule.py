@@ -178,14 +178,30 @@ class Schedule:
     def from_csv(
         text: str, *, name: str, num_stages: int, num_microbatches: int, placement: Placement = "loop"
     ) -> Schedule:
-        """Reads ``to_csv`` output (one row per rank). Lowered if any transfer action appears."""
-        rows = [row for row in csv.reader(io.StringIO(text)) if row is not None]
-        programs = tuple(tuple(Action.parse(c) for c in row if c.strip()) for row in rows)
+        """Reads ``to_csv`` output (one row per rank). Lowered if any transfer action appears. Blank lines (and lines
+        of empty cells) are skipped: every rank runs at least one action, so they never stand for a rank.
+
+        Raises:
+            ValueError: a cell is not an action (the message gives its line and column).
+        """
+        programs: list[tuple[Action, ...]] = []
+        reader = csv.reader(io.StringIO(text))
+        for row in reader:
+            cells = [(col, c) for col, c in enumerate(row, start=1) if c.strip()]
+            if cells:
+                programs.append(tuple(_parse_cell(c, reader.line_num, col) for col, c in cells))
         lowered = any(a.kind not in _COMPUTE for prog in programs for a in prog)
-        return Schedule(name, len(programs), num_stages, num_microbatches, programs, lowered, placement)
+        return Schedule(name, len(programs), num_stages, num_microbatches, tuple(programs), lowered, placement)
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(str(a) for a in prog) for r, prog in enumerate(self.programs))
+
+
+def _parse_cell(cell: str, line: int, column: int) -> Action:
+    try:
+        return Action.parse(cell)
+    except ValueError as e:
+        raise ValueError(f"schedule CSV line {line}, column {column}: {e}") from None
 
 
 def _rank_of(stage: int, num_ranks: int, placement: Placement) -> int:
