@@ -50,7 +50,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -650,25 +649,5 @@ def _merge_deepspeed(
     return dataclasses.replace(zero, **from_config), checkpoint
 
 
-class ZeroMemoryMonitor(Callback):
-    """Logs ``zstack_zero3``'s memory report (MB per rank, rank 0's values) every ``every_n_steps`` steps as
-    ``memory/zero_<part>_mb`` (TensorBoard's ``memory`` section, beside ``*/rss_mb``; see [Note: TensorBoard sections]
-    in ``zlightning.loggers``) and keeps the last report in ``self.last``."""
-
-    def __init__(self, every_n_steps: int = 50) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"ZeroMemoryMonitor(every_n_steps=...) must be >= 1, got {every_n_steps}")
-        self.every_n_steps = every_n_steps
-        self.last: MemoryReport | None = None
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, ZStackZero3Strategy) or strategy.engine is None:
-            return
-        if trainer.global_step % self.every_n_steps:
-            return
-        self.last = strategy.memory_report()
-        mb = {f"memory/zero_{k}_mb": v / 2**20 for k, v in self.last.as_dict().items() if k != "full_model_bytes"}
-        pl_module.log_dict(mb, rank_zero_only=True)
-
+# Re-exported from its home, zlightning.callbacks (where the other callbacks live).
+from zlightning.callbacks._memory import ZeroMemoryMonitor  # noqa: E402

@@ -166,7 +166,7 @@ def _estimate(argv: list[str]) -> None:
 
 def _analyze(argv: list[str]) -> None:
     """``zlightning analyze``: the curriculum DataAnalyzer (metric index files for DeepSpeedDataSampler)."""
-    from zlightning.datamodules.curriculum_cli import analyze_main
+    from zlightning.datamodules.curriculum._cli import analyze_main
 
     analyze_main(argv)
 

@@ -1,5 +1,5 @@
 """Lightning callbacks of zlightning: compression-aware training built on `zlightning.compression`, and
-`PipelineBubbleMonitor` (the pipeline bubble of a ``zstack_pipeline`` run in TensorBoard)."""
+`PipelineBubbleMonitor` / `ZeroMemoryMonitor` (the pipeline bubble, the ZeRO engine's memory, in TensorBoard)."""
 
 from zlightning.callbacks._compression import (
     ActivationQuantization,
@@ -11,7 +11,8 @@ from zlightning.callbacks._compression import (
     SparsePruning,
     WeightQuantization,
 )
+from zlightning.callbacks._memory import ZeroMemoryMonitor
 from zlightning.callbacks._pipeline import PipelineBubbleMonitor
 
 __all__ = ["ActivationQuantization", "ChannelPruning", "CompressionCallback", "HeadPruning", "LayerReduction",
-           "PipelineBubbleMonitor", "RowPruning", "SparsePruning", "WeightQuantization"]
+           "PipelineBubbleMonitor", "RowPruning", "SparsePruning", "WeightQuantization", "ZeroMemoryMonitor"]
