@@ -1,4 +1,4 @@
-"""The main job in its short form (what `make demo` runs, a few steps): 2 processes, logs, checkpoint, report."""
+"""The main job in its short form (what `make demo` runs, 60 steps): 2 processes, logs, checkpoint, report."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def test_demo_short(tmp_path: Path) -> None:
     for line in ("final validation loss", "throughput", "TensorBoard logs", "checkpoint", "sample"):
         assert line in out, out[-2000:]
     loss = float(out.split("final validation loss :")[1].split()[0])
-    assert 0 < loss < 6
+    # ln 256 = 5.55 nats/byte is an untrained model, ~3.3 what byte frequencies alone give on Python source: below
+    # 3.0 the model learned context (60 steps reach ~2.6)
+    assert 0 < loss < 3.0, out[-2000:]
     assert list(tmp_path.rglob("events.out.tfevents.*")), "TensorBoard event file missing"
     assert list(tmp_path.rglob("last.ckpt")), "checkpoint missing"
