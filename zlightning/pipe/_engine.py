@@ -51,8 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zlightning import _gradnorm
 from zlightning.pipe._executor import BatchRun
-from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum, global_grad_norm
+from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
 from zlightning.pipe._schedule import Placement, Schedule, build_schedule
@@ -587,15 +588,20 @@ class PipelineEngine:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scales all gradients by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` over the whole model (every stage,
         tied weights once; under TP the slices summed over the TP group and replicated parameters counted once).
-        Call after ``reduce_gradients``. Returns the norm."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = global_grad_norm(
-            params, self._tied_duplicates(), self.groups.pipe, self.tp_split, self.groups.tensor, self.grid.tp,
-            shard_group=self.groups.data if self.zero is not None else None,
+        Call after ``reduce_gradients``. Returns the norm; see [Note: global norm over shards and model-parallel
+        groups] in ``zlightning/_gradnorm.py``."""
+        skip = self._tied_duplicates()
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        counted = [p for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+        partitioned = [self.groups.data if self.zero is not None else None, self.groups.pipe]  # ZeRO-2/3: slices
+        norm = _gradnorm.global_norm(
+            [p.grad for p in counted if id(p) in self.tp_split],
+            [p.grad for p in counted if id(p) not in self.tp_split],
+            partitioned_over=[g for g in partitioned if g is not None],
+            model_parallel=self.groups.tensor if self.grid.tp > 1 else None,
+            device=self.device,
         )
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+        _gradnorm.clip_(grads, norm, max_norm)
         return norm
 
     @property
@@ -611,13 +617,8 @@ class PipelineEngine:
         if self.scaler is None:
             return False
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            found += torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any().float()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item() > 0)
+        world = [None] if dist.is_initialized() and dist.get_world_size() > 1 else []
+        return _gradnorm.unscale_and_check_(grads, 1.0 / self.scaler.scale, world, device=self.device)
 
     def update_scale(self, overflow: bool) -> None:
         """Advances the loss scale after a step attempt; on overflow drops all gradients (the step was skipped)."""

@@ -1,5 +1,6 @@
-"""Gradient work at the end of a batch: tied-weight all-reduce, data-parallel all-reduce, global-norm clipping across
-all stages, and ZeRO-1 (optimizer state of each parameter on one data-parallel rank).
+"""Gradient work at the end of a batch: tied-weight all-reduce, data-parallel all-reduce, and ZeRO-1 (optimizer state
+of each parameter on one data-parallel rank). The global norm, clipping and fp16 unscaling are
+``zlightning/_gradnorm.py``'s, shared with the ZeRO engine and tensor parallelism.
 
 [Note: ZeRO-1 by parameter ownership]
 Each data-parallel rank of a stage owns a subset of the stage's parameters, balanced by element count (largest
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Zero1Sharding", "allreduce_mean", "allreduce_sum", "global_grad_norm"]
+__all__ = ["Zero1Sharding", "allreduce_mean", "allreduce_sum"]
 
 
 def _bucketed(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, op: dist.ReduceOp, divide: int) -> None:
@@ -46,35 +47,6 @@ def allreduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, s
     """In-place mean over ``group`` of ``size`` ranks."""
     if group is not None and size > 1 and grads:
         _bucketed(grads, group, dist.ReduceOp.SUM, size)
-
-
-def global_grad_norm(
-    params: list[nn.Parameter],
-    skip: set[int],
-    pipe_group: dist.ProcessGroup | None,
-    split: frozenset[int] = frozenset(),
-    tp_group: dist.ProcessGroup | None = None,
-    tp: int = 1,
-    shard_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """L2 norm of all gradients of the whole model: local squares (parameters whose id is in ``skip`` are duplicates
-    counted on another stage) summed over the pipeline group. Data-parallel replicas hold equal reduced gradients,
-    unless ``shard_group`` is given (ZeRO-2/3 stages): each replica then holds a slice, summed over that group.
-    Under TP (``tp_group``), parameters whose id is in ``split`` are slices summed over the TP group; the others are
-    replicated on it and counted once (see [Note: PP x TP] in ``_engine.py``)."""
-    device = params[0].device if params else torch.device("cpu")
-    sq = torch.zeros(2, dtype=torch.float64, device=device)  # [split slices, replicated]
-    for p in params:
-        if p.grad is not None and id(p) not in skip:
-            sq[0 if id(p) in split else 1] += p.grad.detach().double().pow(2).sum()
-    if shard_group is not None:
-        dist.all_reduce(sq, group=shard_group)
-    if pipe_group is not None:
-        dist.all_reduce(sq, group=pipe_group)
-    if tp_group is not None and tp > 1:
-        dist.all_reduce(sq, group=tp_group)
-        return (sq[0] + sq[1] / tp).sqrt()
-    return sq.sum().sqrt()
 
 
 @dataclass
