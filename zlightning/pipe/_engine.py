@@ -293,10 +293,6 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------------------ setup
     @property
-    def is_first_stage(self) -> bool:
-        return self.grid.stage == 0
-
-    @property
     def is_last_stage(self) -> bool:
         """Whether this rank holds the model's last stage (the loss): pipeline rank ``P - 1``, or rank 0 in the V
         of ``zbv``."""

@@ -201,10 +201,6 @@ class StageSharding:
                 return zp
         return None
 
-    def sharded_parameters(self) -> set[int]:
-        """Ids of this rank's shard pieces (each data-parallel rank holds different values)."""
-        return {id(p) for state in self.states for p in state.trainable_pieces()}
-
 
 def _no_units(name: str, module: nn.Module) -> bool:
     return False  # all parameters are persistent anyway; see [Note: ZeRO inside a pipeline stage]
