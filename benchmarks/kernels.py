@@ -117,7 +117,7 @@ class DeepSpeedWorker:
     def __init__(self, threads: int, enabled: bool = True) -> None:
         self.python = DEEPSPEED_VENV / "bin" / "python"
         self.proc: subprocess.Popen[str] | None = None
-        self.log = tempfile.NamedTemporaryFile(prefix="zl_kernels_ds_", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="zl_kernels_ds_", suffix=".log", delete=False)  # noqa: SIM115 - lives as long as the worker
         self.unavailable = ""
         self.keep_log = False
         """Set when a request failed: the worker's log then stays on disk for the reader of the skip reason."""

@@ -76,7 +76,7 @@ class RankForker:
             self.kill()
             line = self._read(30.0)
             statuses = [int(s) for s in line.split()[1:]]
-            raise TimeoutError(f"the run did not end within {timeout:.0f} s (statuses after SIGKILL: {statuses})")
+            raise TimeoutError(f"the run did not end within {timeout:.0f} s (statuses after SIGKILL: {statuses})") from None
         return [int(s) for s in line.split()[1:]]
 
     def close(self) -> None:

@@ -48,9 +48,9 @@ def _attribute_docs(cls: type) -> dict[str, str]:
         raise AssertionError(f"{cls.__name__}: expected a class definition, got {type(body).__name__}")
     docs: dict[str, str] = {}
     for node, after in zip(body.body, body.body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                docs[node.target.id] = str(after.value.value)
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = str(after.value.value)
     return docs
 
 

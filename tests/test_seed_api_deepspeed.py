@@ -487,7 +487,7 @@ def test_norms_are_recognised_by_structure_and_behaviour() -> None:
     assert model.a.eps == 1e-6  # eps found by the small-scale probe
     assert isinstance(model.c, FakeRMSNorm) and list(report.unfused) == ["c"]
     assert "neither LayerNorm nor RMSNorm" in report.unfused["c"] and "c: kept" in str(report)
-    assert [str(w.message) for w in caught if "norm-shaped" in str(w.message)][0].count("c (FakeRMSNorm)") == 1
+    assert next(str(w.message) for w in caught if "norm-shaped" in str(w.message)).count("c (FakeRMSNorm)") == 1
     x = torch.randn(4, 8)
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
     untouched = NormNet()

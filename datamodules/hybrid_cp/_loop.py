@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager, TypeAlias
+from typing import ContextManager, TypeAlias  # noqa: UP035 - used as a generic alias below
 
 import torch
 import torch.distributed as dist
