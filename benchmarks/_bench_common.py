@@ -241,8 +241,11 @@ def full_model_state_bytes(model: nn.Module) -> dict[str, int]:
     Computed from the model before any wrapping; ``parameters()`` yields a tied weight once.
     """
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"params": sum(p.numel() for p in model.parameters()), "param_bytes": param_bytes,
-            "model_state_bytes": 4 * param_bytes}
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": param_bytes,
+        "model_state_bytes": 4 * param_bytes,
+    }
 
 
 def current_rss_kib() -> int | None:

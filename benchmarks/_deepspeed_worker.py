@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # explicit: never probe for CUDA/XPU
 
 import torch  # noqa: E402
-
 from _bench_common import (  # noqa: E402
     BenchConfig,
     RankEnv,
@@ -72,12 +71,16 @@ def zero3_model_state(module: torch.nn.Module, zero_optimizer: Any) -> dict[str,
     fp32_partitions = list(getattr(zero_optimizer, "fp32_partitioned_groups_flat", []))
     averaged = getattr(zero_optimizer, "averaged_gradients", {}) or {}
     report = {
-        "param_bytes": counter.add([p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
-                                   + list(getattr(zero_optimizer, "fp16_partitioned_groups_flat", []))),
+        "param_bytes": counter.add(
+            [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
+            + list(getattr(zero_optimizer, "fp16_partitioned_groups_flat", []))
+        ),
         "master_bytes": counter.add(fp32_partitions),
-        "grad_bytes": counter.add([getattr(zero_optimizer, "grad_partitions_flat_buffer", None)]
-                                  + [g for grads in averaged.values() for g in (grads or [])]
-                                  + [t.grad for t in fp32_partitions]),
+        "grad_bytes": counter.add(
+            [getattr(zero_optimizer, "grad_partitions_flat_buffer", None)]
+            + [g for grads in averaged.values() for g in (grads or [])]
+            + [t.grad for t in fp32_partitions]
+        ),
         "optimizer_bytes": counter.add(optimizer_state_tensors(zero_optimizer.optimizer)),
         "persistent_bytes": counter.add(p.data for p in params if p.data.numel() > 0),
     }

@@ -103,14 +103,22 @@ def run_lightning(args: argparse.Namespace, rec: Recorder) -> None:
     swap = None
     if args.variant == "zstack_zero3_nvme":
         from zlightning.strategies import ZStackZero3Strategy
+
         from zlightning.zero import NVMeOffload
 
         swap = tempfile.mkdtemp(prefix="zl-memory-bench-", dir=args.swap_dir)
         strategy = ZStackZero3Strategy(offload_optimizer=NVMeOffload(path=swap), offload_params=NVMeOffload(path=swap))
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, use_distributed_sampler=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
     )
     data = batches(args, int(os.environ["RANK"]))
     trainer.fit(Module(), DataLoader(data, batch_size=None))
@@ -150,9 +158,13 @@ def run_deepspeed(args: argparse.Namespace, rec: Recorder) -> None:
     torch.set_num_threads(args.threads)
     rec.start()
     config = {
-        "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False, "steps_per_print": 1_000_000_000, "wall_clock_breakdown": False,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
     }
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = build_blocks(args.width, args.depth)

@@ -86,8 +86,11 @@ def _zero3(plt: Any, report: dict[str, Any]) -> Any:
     ax2.set_title("Memory per parameter")
     ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, fontsize=8)
     cfg = report["config"]
-    fig.suptitle(f"ZeRO-3 benchmark: GPT d={cfg['d_model']}, {cfg['n_layer']} layers ({params / 1e6:.1f} M params), "
-                 f"{cfg['world_size']} CPU ranks", fontsize=11)
+    fig.suptitle(
+        f"ZeRO-3 benchmark: GPT d={cfg['d_model']}, {cfg['n_layer']} layers ({params / 1e6:.1f} M params), "
+        f"{cfg['world_size']} CPU ranks",
+        fontsize=11,
+    )
     fig.tight_layout()
     return fig
 
@@ -121,14 +124,21 @@ def _timeline_axes(ax: Any, name: str, ranks: int, micro: int) -> float:
     schedule = build_schedule(name, ranks, micro, v, "v") if name == "zbv" else build_schedule(name, ranks, micro, v)
     tl = timeline(schedule)
     for rank, spans in enumerate(tl.spans):
-        ax.broken_barh([(0, tl.makespan)], (rank - 0.4, 0.8), facecolors=_COLORS["idle"], hatch="//",
-                       edgecolor="white", lw=0)
+        ax.broken_barh(
+            [(0, tl.makespan)], (rank - 0.4, 0.8), facecolors=_COLORS["idle"], hatch="//", edgecolor="white", lw=0
+        )
         for action, start, end in spans:
             kind = action.kind.name[0]  # FORWARD / BACKWARD / WEIGHT
-            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=_COLORS.get(kind, "#999999"),
-                           edgecolor="white", lw=0.5)
-            ax.text((start + end) / 2, rank, str(action.microbatch), ha="center", va="center", fontsize=6,
-                    color="white")
+            ax.broken_barh(
+                [(start, end - start)],
+                (rank - 0.4, 0.8),
+                facecolors=_COLORS.get(kind, "#999999"),
+                edgecolor="white",
+                lw=0.5,
+            )
+            ax.text(
+                (start + end) / 2, rank, str(action.microbatch), ha="center", va="center", fontsize=6, color="white"
+            )
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
     ax.set_xlim(0, tl.makespan)
@@ -147,8 +157,10 @@ def _pipeline(plt: Any, result: dict[str, Any]) -> Any:
     grid = fig.add_gridspec(len(names), 2, width_ratios=[2.2, 1])
     for i, name in enumerate(names):
         _timeline_axes(fig.add_subplot(grid[i, 0]), name, ranks, micro)
-    handles = [Patch(color=_COLORS[k], label=lbl) for k, lbl in
-               (("F", "forward"), ("B", "backward"), ("W", "weight gradients"), ("idle", "idle (bubble)"))]
+    handles = [
+        Patch(color=_COLORS[k], label=lbl)
+        for k, lbl in (("F", "forward"), ("B", "backward"), ("W", "weight gradients"), ("idle", "idle (bubble)"))
+    ]
     fig.legend(handles=handles, loc="upper left", ncols=4, fontsize=8, bbox_to_anchor=(0.0, 1.0))
     ax = fig.add_subplot(grid[:, 1])
     measured = [r for r in result.get("rows", []) if "bubble" in r and r.get("theory") is not None]
@@ -162,8 +174,11 @@ def _pipeline(plt: Any, result: dict[str, Any]) -> Any:
     ax.set_title("Measured bubble (solid) vs theory (dashed)", fontsize=9)
     if measured:
         ax.legend(fontsize=7)
-    fig.suptitle(f"Pipeline schedules on {ranks} ranks, {micro} micro-batches (unit costs: F=1, B=2; W=1 when split)",
-                 fontsize=11, y=1.04)
+    fig.suptitle(
+        f"Pipeline schedules on {ranks} ranks, {micro} micro-batches (unit costs: F=1, B=2; W=1 when split)",
+        fontsize=11,
+        y=1.04,
+    )
     fig.tight_layout()
     return fig
 
@@ -173,7 +188,9 @@ def _offload(plt: Any, report: dict[str, Any]) -> Any:
     rows = {k: v for k, v in report.get("swap_throughput", {}).get("rows", {}).items() if v.get("status") == "ok"}
     ratios = report.get("ratios_to_in_memory", {})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.0))
-    labels = [f"{k}\n({v['engine']})" if len(v["engine"]) < 28 else f"{k}\n({v['engine'][:26]}…)" for k, v in rows.items()]
+    labels = [
+        f"{k}\n({v['engine']})" if len(v["engine"]) < 28 else f"{k}\n({v['engine'][:26]}…)" for k, v in rows.items()
+    ]
     x = range(len(rows))
     ax1.bar([i - 0.2 for i in x], [v["write_MBps"] for v in rows.values()], 0.4, label="write", color="#4C72B0")
     ax1.bar([i + 0.2 for i in x], [v["read_MBps"] for v in rows.values()], 0.4, label="read", color="#DD8452")
@@ -183,8 +200,9 @@ def _offload(plt: Any, report: dict[str, Any]) -> Any:
     ax1.set_title(f"Swap throughput ({nbytes / 2**20:.0f} MiB, direct I/O)")
     ax1.legend(fontsize=8)
     names = list(ratios)
-    bars = ax2.barh(names, [ratios[n] for n in names],
-                    color=["#C44E52" if n.startswith("ds_") else "#4C72B0" for n in names])
+    bars = ax2.barh(
+        names, [ratios[n] for n in names], color=["#C44E52" if n.startswith("ds_") else "#4C72B0" for n in names]
+    )
     ax2.axvline(1.0, color="black", lw=0.8, ls="--")
     ax2.bar_label(bars, fmt="%.2f×", padding=3, fontsize=8)
     ax2.invert_yaxis()
@@ -195,7 +213,10 @@ def _offload(plt: Any, report: dict[str, Any]) -> Any:
 
 
 _CHARTS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
-    "zero3": _zero3, "memory": _memory, "pipeline": _pipeline, "offload": _offload,
+    "zero3": _zero3,
+    "memory": _memory,
+    "pipeline": _pipeline,
+    "offload": _offload,
 }
 
 

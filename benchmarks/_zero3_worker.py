@@ -20,7 +20,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from _bench_common import (  # noqa: E402
     BenchConfig,
     RankEnv,
@@ -102,8 +101,9 @@ def run_lightning(config: BenchConfig, env: RankEnv, out_dir: Path, strategy: st
     zstack = strategy.startswith("zstack_zero3")
     trainer_strategy: Any = strategy
     if zstack:
-        import zlightning  # noqa: F401  (registers the strategy)
         from zlightning.strategies import ZStackZero3Strategy
+
+        import zlightning  # noqa: F401  (registers the strategy)
         from zlightning.zero import ZeroConfig
 
         if strategy == "zstack_zero3_keep":  # one all-gather per unit per step (reshard_after_forward=False)
@@ -143,8 +143,9 @@ def run_lightning(config: BenchConfig, env: RankEnv, out_dir: Path, strategy: st
     class Probe(Callback):
         """Stamps each step end; counts DDP's model state after the last step."""
 
-        def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                               batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             timer.step_end()
             losses.append(float(outputs["loss"]))
             if trainer.global_step != config.total_steps:
@@ -196,8 +197,9 @@ def zstack_memory(trainer: Any) -> dict[str, int]:
     return {name: int(getattr(report, name)) for name in MEMORY_REPORT_FIELDS}
 
 
-def _result(timer: StepTimer, memory: dict[str, int], losses: list[float], rss_before_kib: int | None,
-            versions: dict[str, str]) -> dict[str, Any]:
+def _result(
+    timer: StepTimer, memory: dict[str, int], losses: list[float], rss_before_kib: int | None, versions: dict[str, str]
+) -> dict[str, Any]:
     return {
         "status": "ok",
         "step_times_s": timer.timed_intervals(),

@@ -21,8 +21,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,14 +35,26 @@ from examples.gpt_model import GPT, GPTConfig  # noqa: E402
 from zlightning.compile import CompileStats  # noqa: E402
 from zlightning.testing import run_distributed  # noqa: E402
 
-VARIANTS = ("zero3_eager", "zero3_compiled_unit", "zero3_compiled_graph", "zero3_compiled_graph_budget",
-            "zero3_compiled_graph_keep_all", "dp2_ddp", "ddp_compiled", "compute_only_eager", "compute_only_compiled",
-            "tp2")
+VARIANTS = (
+    "zero3_eager",
+    "zero3_compiled_unit",
+    "zero3_compiled_graph",
+    "zero3_compiled_graph_budget",
+    "zero3_compiled_graph_keep_all",
+    "dp2_ddp",
+    "ddp_compiled",
+    "compute_only_eager",
+    "compute_only_compiled",
+    "tp2",
+)
 BUDGET = 0.5
 """``unshard_budget`` of the budgeted graph-mode variant: half of the units' gathered bytes may stay unsharded."""
-MODES = {"zero3_compiled_unit": {"mode": "unit"}, "zero3_compiled_graph": {"mode": "graph"},
-         "zero3_compiled_graph_budget": {"mode": "graph", "unshard_budget": BUDGET},
-         "zero3_compiled_graph_keep_all": {"mode": "graph", "unshard_budget": 1.0}}
+MODES = {
+    "zero3_compiled_unit": {"mode": "unit"},
+    "zero3_compiled_graph": {"mode": "graph"},
+    "zero3_compiled_graph_budget": {"mode": "graph", "unshard_budget": BUDGET},
+    "zero3_compiled_graph_keep_all": {"mode": "graph", "unshard_budget": 1.0},
+}
 
 
 def _batches(cfg: GPTConfig, n: int, batch: int, rank_key: int) -> list[torch.Tensor]:
@@ -50,8 +62,9 @@ def _batches(cfg: GPTConfig, n: int, batch: int, rank_key: int) -> list[torch.Te
     return [torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g) for _ in range(n)]
 
 
-def _build(variant: str, cfg: GPTConfig) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.nn.Module,
-                                                    Any, int]:
+def _build(
+    variant: str, cfg: GPTConfig
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.nn.Module, Any, int]:
     """One variant on this rank: (step function, model, compile handle or None, data rank)."""
     from zlightning.compile import CompileConfig, compile_zero3
     from zlightning.inject import InjectPolicy, apply_tensor_parallel
@@ -112,6 +125,7 @@ def _counting_backend(stats: Any) -> Callable[..., Any]:
 def _comm_breakdown(built: dict[str, Any], reps: int = 5) -> dict[str, float]:
     """Seconds per step of each variant's collectives alone (synchronous, no compute): what 2 gloo ranks on 2 shared
     cores must move, to compare with the step times."""
+
     def timed(fn: Callable[[], None]) -> float:
         fn()
         samples = []
@@ -174,30 +188,50 @@ def _worker(rank: int, world: int, cfg: GPTConfig, batch: int, warmup: int, time
     for v, (_, model, handle, _) in built.items():
         params = {id(p): p.numel() * p.element_size() for p in model.parameters()}
         graphs = handle.graphs if handle is not None else None  # a compile handle or CompileStats
-        out[v] = {"step_s": statistics.median(times[v]), "steps_s": times[v],
-                  "param_bytes_per_rank": sum(params.values()), "graph_breaks": breaks[v],
-                  "graphs_total": graphs, "graphs_after_warmup": graphs_after.get(v)}
+        out[v] = {
+            "step_s": statistics.median(times[v]),
+            "steps_s": times[v],
+            "param_bytes_per_rank": sum(params.values()),
+            "graph_breaks": breaks[v],
+            "graphs_total": graphs,
+            "graphs_after_warmup": graphs_after.get(v),
+        }
         if getattr(handle, "graph_stats", None) is not None:
             gs = handle.graph_stats
-            out[v]["graph_mode"] = {"forward_gathers": gs.forward_gathers, "backward_gathers": gs.backward_gathers,
-                                    "backward_reduce_scatters": gs.backward_reduce_scatters,
-                                    "saved_unit_bytes": gs.saved_unit_bytes, "saved_root_bytes": gs.saved_always_bytes}
+            out[v]["graph_mode"] = {
+                "forward_gathers": gs.forward_gathers,
+                "backward_gathers": gs.backward_gathers,
+                "backward_reduce_scatters": gs.backward_reduce_scatters,
+                "saved_unit_bytes": gs.saved_unit_bytes,
+                "saved_root_bytes": gs.saved_always_bytes,
+            }
             if handle.plan is not None:
-                out[v]["graph_mode"]["plan"] = {"budget_bytes": handle.plan.budget_bytes, "kept": handle.plan.kept,
-                                                "kept_bytes": handle.plan.kept_bytes,
-                                                "units": [p.unit for p in handle.plan.profile]}
+                out[v]["graph_mode"]["plan"] = {
+                    "budget_bytes": handle.plan.budget_bytes,
+                    "kept": handle.plan.kept,
+                    "kept_bytes": handle.plan.kept_bytes,
+                    "units": [p.unit for p in handle.plan.profile],
+                }
     out["_comm"] = _comm_breakdown(built)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", choices=("bench", "small"), default="bench",
-                        help="bench: the benchmark GPT of benchmarks/zero3.py (BenchConfig: d512 x 6, seq 256, 8 "
-                             "samples/rank); small: d256 x 4, seq 128, 4 samples/rank (latency-bound on gloo)")
+    parser.add_argument(
+        "--model",
+        choices=("bench", "small"),
+        default="bench",
+        help="bench: the benchmark GPT of benchmarks/zero3.py (BenchConfig: d512 x 6, seq 256, 8 "
+        "samples/rank); small: d256 x 4, seq 128, 4 samples/rank (latency-bound on gloo)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model and fewer steps (smoke run)")
-    parser.add_argument("--timed", type=int, default=None,
-                        help="timed steps (default: 8 for --model bench, 12 for small, 4 with --quick)")
+    parser.add_argument(
+        "--timed",
+        type=int,
+        default=None,
+        help="timed steps (default: 8 for --model bench, 12 for small, 4 with --quick)",
+    )
     args = parser.parse_args()
     if args.quick:
         cfg, batch, timed = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layer=2, n_head=4), 4, 4
@@ -207,14 +241,22 @@ def main() -> None:
         from _bench_common import BenchConfig  # the script's folder is on sys.path, as for the other benchmarks
 
         b = BenchConfig()
-        cfg = GPTConfig(vocab_size=b.vocab_size, seq_len=b.seq_len, d_model=b.d_model, n_layer=b.n_layer,
-                        n_head=b.n_head)
+        cfg = GPTConfig(
+            vocab_size=b.vocab_size, seq_len=b.seq_len, d_model=b.d_model, n_layer=b.n_layer, n_head=b.n_head
+        )
         batch, timed = b.micro_batch, 8
     warmup, timed = 3, args.timed or timed
-    results: dict[str, Any] = {"model": "quick" if args.quick else args.model, "config": cfg.__dict__,
-                               "per_rank_batch": batch, "warmup": warmup, "timed": timed,
-                               "world": 2, "device": "cpu (gloo, 1 thread per rank)", "variants": {},
-                               "load_avg_start": os.getloadavg()}
+    results: dict[str, Any] = {
+        "model": "quick" if args.quick else args.model,
+        "config": cfg.__dict__,
+        "per_rank_batch": batch,
+        "warmup": warmup,
+        "timed": timed,
+        "world": 2,
+        "device": "cpu (gloo, 1 thread per rank)",
+        "variants": {},
+        "load_avg_start": os.getloadavg(),
+    }
     t0 = time.time()
     variants = run_distributed(_worker, 2, cfg, batch, warmup, timed, timeout=3600)[0]
     results["comm_breakdown_s"] = variants.pop("_comm")
@@ -227,8 +269,8 @@ def main() -> None:
     results["ratios"] = {
         "zero3_compiled_unit_speedup_vs_eager": r["zero3_eager"]["step_s"] / r["zero3_compiled_unit"]["step_s"],
         "zero3_compiled_graph_speedup_vs_eager": r["zero3_eager"]["step_s"] / r["zero3_compiled_graph"]["step_s"],
-        "zero3_compiled_graph_budget_speedup_vs_eager":
-            r["zero3_eager"]["step_s"] / r["zero3_compiled_graph_budget"]["step_s"],
+        "zero3_compiled_graph_budget_speedup_vs_eager": r["zero3_eager"]["step_s"]
+        / r["zero3_compiled_graph_budget"]["step_s"],
         "zero3_compiled_unit_vs_ddp_compiled_time": r["zero3_compiled_unit"]["step_s"] / ddp_c,
         "zero3_compiled_graph_vs_ddp_compiled_time": r["zero3_compiled_graph"]["step_s"] / ddp_c,
         "zero3_compiled_graph_budget_vs_ddp_compiled_time": r["zero3_compiled_graph_budget"]["step_s"] / ddp_c,
@@ -243,34 +285,45 @@ def main() -> None:
         "compute_only_compiled_s": compute,
         "zero3_graph_minus_compute_s": r["zero3_compiled_graph"]["step_s"] - compute,
         "ddp_compiled_minus_compute_s": ddp_c - compute,
-        "zero3_comm_alone_s": c["zero3_comm_s"], "zero3_budget_comm_alone_s": c["zero3_budget_comm_s"],
+        "zero3_comm_alone_s": c["zero3_comm_s"],
+        "zero3_budget_comm_alone_s": c["zero3_budget_comm_s"],
         "ddp_comm_alone_s": c["ddp_comm_s"],
         "floor_zero3_vs_ddp_compiled": (compute + c["zero3_comm_s"]) / (compute + c["ddp_comm_s"]),
     }
     out_dir = ROOT / "benchmarks" / "results"
     stem = "compile_inject" if results["model"] == "bench" else f"compile_inject_{results['model']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
-    lines = ["# compile + inject benchmark (issue 7)", "",
-             f"GPT {cfg.d_model}d x {cfg.n_layer} layers, seq {cfg.seq_len}, {batch} samples/rank/step (TP: "
-             f"{2 * batch} on the one replica), 2 gloo ranks on CPU, median of {timed} steps after {warmup} "
-             "warm-up; all variants live in the same 2 processes and are stepped round-robin (each step bracketed by "
-             "barriers) so they share the machine's load. `zero3_compiled_graph_budget` uses "
-             f"`CompileConfig(mode=\"graph\", unshard_budget={BUDGET})` (half of the units' gathered bytes may stay "
-             "unsharded from forward to backward); `zero3_compiled_graph_keep_all` uses `unshard_budget=1.0` (every "
-             "unit "
-             "stays gathered from its forward to its backward: no backward re-gathers, sharded optimizer state and "
-             "gradients). `compute_only_eager`/`compute_only_compiled` are the same model and step with no "
-             "communication (each rank alone, eager / torch.compile).", "",
-             f"Load average (1/5/15 min) at start {results['load_avg_start']}, at end {results['load_avg_end']}; "
-             f"wall {results['wall_s']} s.", "",
-             "| variant | step (s) | param bytes / rank | graph breaks | graphs compiled (after warm-up / end) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "# compile + inject benchmark (issue 7)",
+        "",
+        f"GPT {cfg.d_model}d x {cfg.n_layer} layers, seq {cfg.seq_len}, {batch} samples/rank/step (TP: "
+        f"{2 * batch} on the one replica), 2 gloo ranks on CPU, median of {timed} steps after {warmup} "
+        "warm-up; all variants live in the same 2 processes and are stepped round-robin (each step bracketed by "
+        "barriers) so they share the machine's load. `zero3_compiled_graph_budget` uses "
+        f'`CompileConfig(mode="graph", unshard_budget={BUDGET})` (half of the units\' gathered bytes may stay '
+        "unsharded from forward to backward); `zero3_compiled_graph_keep_all` uses `unshard_budget=1.0` (every "
+        "unit "
+        "stays gathered from its forward to its backward: no backward re-gathers, sharded optimizer state and "
+        "gradients). `compute_only_eager`/`compute_only_compiled` are the same model and step with no "
+        "communication (each rank alone, eager / torch.compile).",
+        "",
+        f"Load average (1/5/15 min) at start {results['load_avg_start']}, at end {results['load_avg_end']}; "
+        f"wall {results['wall_s']} s.",
+        "",
+        "| variant | step (s) | param bytes / rank | graph breaks | graphs compiled (after warm-up / end) |",
+        "|---|---|---|---|---|",
+    ]
     for v, x in r.items():
         g = "-" if x["graphs_total"] is None else f"{x['graphs_after_warmup']} / {x['graphs_total']}"
         lines.append(f"| {v} | {x['step_s']:.4f} | {x['param_bytes_per_rank']:,} | {x['graph_breaks']} | {g} |")
     lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in results["ratios"].items()]
-    lines += ["", "Breakdown (seconds per step; communication timed alone, synchronously, same processes):", "",
-              "| quantity | value |", "|---|---|"] + [f"| {k} | {v:.4f} |" for k, v in results["breakdown"].items()]
+    lines += [
+        "",
+        "Breakdown (seconds per step; communication timed alone, synchronously, same processes):",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+    ] + [f"| {k} | {v:.4f} |" for k, v in results["breakdown"].items()]
     for v in ("zero3_compiled_graph", "zero3_compiled_graph_budget", "zero3_compiled_graph_keep_all"):
         gm = r[v].get("graph_mode")
         if gm:

@@ -37,6 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
+from zlightning.datamodules import TextCorpusDataModule  # noqa: E402
 
 from examples.gpt import GPTLightningModule  # noqa: E402
 from zlightning.callbacks import (  # noqa: E402
@@ -49,7 +50,6 @@ from zlightning.callbacks import (  # noqa: E402
     WeightQuantization,
 )
 from zlightning.compression import apply_schedule, init_compression, load_compressed, save_compressed  # noqa: E402
-from zlightning.datamodules import TextCorpusDataModule  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
@@ -86,15 +86,26 @@ class _KDStudent(GPTLightningModule):
 
 
 def _module(s: Settings, n_layer: int | None = None) -> GPTLightningModule:
-    return GPTLightningModule(seq_len=s.seq_len, d_model=s.d_model, n_layer=n_layer or s.n_layer, n_head=s.n_head,
-                              lr=s.lr, warmup_steps=20)
+    return GPTLightningModule(
+        seq_len=s.seq_len, d_model=s.d_model, n_layer=n_layer or s.n_layer, n_head=s.n_head, lr=s.lr, warmup_steps=20
+    )
 
 
 def _trainer(s: Settings, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=s.val_batches,
-                      val_check_interval=None, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=callbacks)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        limit_val_batches=s.val_batches,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
 
 
 def _validate(s: Settings, module: GPTLightningModule, data: TextCorpusDataModule) -> tuple[float, float]:
@@ -117,24 +128,43 @@ def _variants(s: Settings, export: Path) -> dict[str, list[pl.Callback]]:
     return {
         "fp32 (fine-tuned)": [],
         "int8 weights (QAT)": [WeightQuantization(**wq8, export_path=export)],
-        "int4 weights (QAT)": [WeightQuantization(target_bits=4, start_bits=8, quantization_period=5,
-                                                  quantize_groups=128, schedule_offset=0, export_path=export)],
+        "int4 weights (QAT)": [
+            WeightQuantization(
+                target_bits=4,
+                start_bits=8,
+                quantization_period=5,
+                quantize_groups=128,
+                schedule_offset=0,
+                export_path=export,
+            )
+        ],
         "W8A8 (int8 weights + dynamic int8 activations)": [
-            WeightQuantization(**wq8), ActivationQuantization(bits=8, schedule_offset=0)],
+            WeightQuantization(**wq8),
+            ActivationQuantization(bits=8, schedule_offset=0),
+        ],
         "50% sparse (l1)": [SparsePruning(r"blocks\.", dense_ratio=0.5, schedule_offset=0, export_path=export)],
         "50% MLP rows removed": [RowPruning(r"mlp\.fc$", **mlp_rows, export_path=export)],
-        "50% heads masked (topk)": [HeadPruning(r"attn\.proj$", dense_ratio=0.5, schedule_offset=0,
-                                                export_path=export)],
+        "50% heads masked (topk)": [
+            HeadPruning(r"attn\.proj$", dense_ratio=0.5, schedule_offset=0, export_path=export)
+        ],
         "int8 + 50% sparse attention + 50% MLP rows": [
             WeightQuantization(**wq8, export_path=export),
             SparsePruning(r"attn\.", dense_ratio=0.5, schedule_offset=0),
-            RowPruning(r"mlp\.fc$", **mlp_rows)],
+            RowPruning(r"mlp\.fc$", **mlp_rows),
+        ],
     }
 
 
 def _row(name: str, loss: float, ppl: float, size: int, float_bytes: int, seconds: float) -> dict:
-    return {"variant": name, "val_loss": loss, "val_ppl": ppl, "ppl_vs_fp32": float("nan"),
-            "file_bytes": size, "size_ratio": float_bytes / size, "seconds": seconds}
+    return {
+        "variant": name,
+        "val_loss": loss,
+        "val_ppl": ppl,
+        "ppl_vs_fp32": float("nan"),
+        "file_bytes": size,
+        "size_ratio": float_bytes / size,
+        "seconds": seconds,
+    }
 
 
 def run(s: Settings) -> dict[str, Any]:
@@ -175,9 +205,15 @@ def run(s: Settings) -> dict[str, Any]:
                 size = save_compressed(module, export).file_bytes if callbacks else _float_bytes(module)
             rows.append(_row(name, loss, ppl, size, float_bytes, seconds))
         rows.append(_layer_reduction(s, base, data, export, float_bytes))
-    return _ratios({"settings": asdict(s), "base": {"val_loss": loss0, "val_ppl": ppl0, "file_bytes": float_bytes,
-                                                   "seconds": base_seconds}, "rows": rows,
-                    "torch": torch.__version__, "lightning": pl.__version__})
+    return _ratios(
+        {
+            "settings": asdict(s),
+            "base": {"val_loss": loss0, "val_ppl": ppl0, "file_bytes": float_bytes, "seconds": base_seconds},
+            "rows": rows,
+            "torch": torch.__version__,
+            "lightning": pl.__version__,
+        }
+    )
 
 
 def _ratios(result: dict[str, Any]) -> dict[str, Any]:
@@ -191,22 +227,35 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _layer_reduction(s: Settings, base: GPTLightningModule, data: TextCorpusDataModule, export: Path,
-                     float_bytes: int) -> dict:
+def _layer_reduction(
+    s: Settings, base: GPTLightningModule, data: TextCorpusDataModule, export: Path, float_bytes: int
+) -> dict:
     keep = tuple(range(1, s.n_layer, 2))  # every other layer: (1, 3) of 4
-    kd = LayerReduction(base, module_name_prefix="model.blocks", teacher_layer=keep,
-                        other_module_name=("model.tok_emb", "model.pos_emb", "model.ln_f"), distillation_weight=1.0,
-                        temperature=2.0)
-    student = _KDStudent(kd, seq_len=s.seq_len, d_model=s.d_model, n_layer=len(keep), n_head=s.n_head, lr=s.lr,
-                         warmup_steps=20)
+    kd = LayerReduction(
+        base,
+        module_name_prefix="model.blocks",
+        teacher_layer=keep,
+        other_module_name=("model.tok_emb", "model.pos_emb", "model.ln_f"),
+        distillation_weight=1.0,
+        temperature=2.0,
+    )
+    student = _KDStudent(
+        kd, seq_len=s.seq_len, d_model=s.d_model, n_layer=len(keep), n_head=s.n_head, lr=s.lr, warmup_steps=20
+    )
     pl.seed_everything(s.seed + 1, verbose=False)
     exporter = CompressionCallback({}, export_path=export)  # no technique: export the plain student
     t0 = time.perf_counter()
     _trainer(s, s.ft_steps, [kd, exporter]).fit(student, datamodule=data)
     seconds = time.perf_counter() - t0
     loss, ppl = _validate(s, load_compressed(export, _module(s, len(keep))), data)
-    return _row(f"{len(keep)} of {s.n_layer} layers (layer reduction + KD)", loss, ppl, export.stat().st_size,
-                float_bytes, seconds)
+    return _row(
+        f"{len(keep)} of {s.n_layer} layers (layer reduction + KD)",
+        loss,
+        ppl,
+        export.stat().st_size,
+        float_bytes,
+        seconds,
+    )
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -228,11 +277,19 @@ def _markdown(result: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['variant']} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {r['ppl_vs_fp32']:.4f} | "
-                     f"{r['file_bytes'] / 1e6:.3f} | {r['size_ratio']:.2f}x | {r['seconds']:.0f} |")
-    lines += ["", "ppl / fp32 same steps: against the base model for the post-training row, against the fp32 model "
-              "fine-tuned the same number of steps for the others.", "", "Targets of issue 6: int8 weights within 1% perplexity, 50% sparse after fine-tuning within 5%, int8 "
-              "export at least 3.5x smaller than fp32.", ""]
+        lines.append(
+            f"| {r['variant']} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {r['ppl_vs_fp32']:.4f} | "
+            f"{r['file_bytes'] / 1e6:.3f} | {r['size_ratio']:.2f}x | {r['seconds']:.0f} |"
+        )
+    lines += [
+        "",
+        "ppl / fp32 same steps: against the base model for the post-training row, against the fp32 model "
+        "fine-tuned the same number of steps for the others.",
+        "",
+        "Targets of issue 6: int8 weights within 1% perplexity, 50% sparse after fine-tuning within 5%, int8 "
+        "export at least 3.5x smaller than fp32.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -241,8 +298,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (results compression_quick.*)")
     parser.add_argument("--base-steps", type=int, default=None)
     parser.add_argument("--ft-steps", type=int, default=None)
-    parser.add_argument("--render", type=Path, default=None,
-                        help="only recompute the ratios and tables of an existing results JSON (no training)")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="only recompute the ratios and tables of an existing results JSON (no training)",
+    )
     args = parser.parse_args(argv)
     if args.render is not None:
         result = _ratios(json.loads(args.render.read_text()))
@@ -254,8 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         s = Settings(base_steps=20, ft_steps=5, val_batches=4, max_bytes=300_000)
     if args.base_steps is not None or args.ft_steps is not None:
-        s = Settings(**{**asdict(s), "base_steps": args.base_steps or s.base_steps,
-                        "ft_steps": args.ft_steps or s.ft_steps})
+        s = Settings(
+            **{**asdict(s), "base_steps": args.base_steps or s.base_steps, "ft_steps": args.ft_steps or s.ft_steps}
+        )
     result = run(s)
     stem = "compression_quick" if args.quick else "compression"
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -113,8 +113,17 @@ class RunConfig:
     """Model-init and corpus-split seed."""
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_layer", "n_head", "seq_len", "micro_batch", "world_size", "baseline_steps",
-                     "eval_batch", "log_every_n_steps"):
+        for name in (
+            "d_model",
+            "n_layer",
+            "n_head",
+            "seq_len",
+            "micro_batch",
+            "world_size",
+            "baseline_steps",
+            "eval_batch",
+            "log_every_n_steps",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RunConfig: {name} must be a positive int, got {value!r}.")
@@ -172,9 +181,13 @@ def plan_run(config: RunConfig, section: dict[str, Any], budget: int) -> dict[st
         cumulative.append(total)
     last = next(i for i, c in enumerate(cumulative) if c >= budget) + 1
     evals = [next(i for i, c in enumerate(cumulative) if c >= f * budget) + 1 for f in config.eval_fractions]
-    return {"steps": last, "tokens": cumulative[last - 1], "eval_steps": evals,
-            "eval_tokens": [cumulative[s - 1] for s in evals], "seq_len_per_step": [t // config.global_batch
-                                                                                    for t in per_step[:last]]}
+    return {
+        "steps": last,
+        "tokens": cumulative[last - 1],
+        "eval_steps": evals,
+        "eval_tokens": [cumulative[s - 1] for s in evals],
+        "seq_len_per_step": [t // config.global_batch for t in per_step[:last]],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -214,8 +227,11 @@ class _TimedSampler:
                 self.seconds += time.perf_counter() - start
                 return
             elapsed = time.perf_counter() - start
-            self.seconds, self.calls, self.max_call_s = self.seconds + elapsed, self.calls + 1, max(self.max_call_s,
-                                                                                                      elapsed)
+            self.seconds, self.calls, self.max_call_s = (
+                self.seconds + elapsed,
+                self.calls + 1,
+                max(self.max_call_s, elapsed),
+            )
             yield batch
 
     def rewind(self, micro_batches: int) -> None:
@@ -277,8 +293,9 @@ class _ValSet:
                 x, y = self.x[start : start + self.batch], self.y[start : start + self.batch]
                 logits, _ = model(x)
                 if real:
-                    total[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
-                                                reduction="sum").double()
+                    total[0] += F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
+                    ).double()
                     total[1] += y.numel()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
@@ -331,26 +348,43 @@ def run_worker(run: str, config: RunConfig, plan: dict[str, Any], section: dict[
     import lightning
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
+    from zlightning.datamodules import CurriculumDataModule, TextCorpusDataModule
 
     import zlightning  # noqa: F401  (registers zstack_zero3)
     from examples.gpt import GPTLightningModule
-    from zlightning.datamodules import CurriculumDataModule, TextCorpusDataModule
 
     env = RankEnv.from_environ()
-    base = TextCorpusDataModule(seq_len=config.seq_len, batch_size=config.micro_batch, max_bytes=config.max_bytes,
-                                seed=config.seed)
+    base = TextCorpusDataModule(
+        seq_len=config.seq_len, batch_size=config.micro_batch, max_bytes=config.max_bytes, seed=config.seed
+    )
     dm = _timed_data_module(CurriculumDataModule)(section, base=base)
     base.setup("fit")
     val = _ValSet(base.val_dataset, config.eval_batch, env.rank, env.world_size)
     probe = _probe_class()(plan["eval_steps"], val, env.world_size)
     torch.manual_seed(config.seed)
-    model = GPTLightningModule(seq_len=config.seq_len, d_model=config.d_model, n_layer=config.n_layer,
-                               n_head=config.n_head, lr=config.lr, warmup_steps=config.warmup_steps)
+    model = GPTLightningModule(
+        seq_len=config.seq_len,
+        d_model=config.d_model,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+    )
     trainer = pl.Trainer(
-        strategy=config.strategy, accelerator="cpu", devices=env.world_size, precision="32-true",
-        max_steps=plan["steps"], max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
-        log_every_n_steps=config.log_every_n_steps, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[probe], default_root_dir=str(TB_ROOT),
+        strategy=config.strategy,
+        accelerator="cpu",
+        devices=env.world_size,
+        precision="32-true",
+        max_steps=plan["steps"],
+        max_epochs=-1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=config.log_every_n_steps,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        default_root_dir=str(TB_ROOT),
         logger=TensorBoardLogger(str(TB_ROOT), name=run, version=0),
     )
     torch.set_num_threads(1)
@@ -360,12 +394,23 @@ def run_worker(run: str, config: RunConfig, plan: dict[str, Any], section: dict[
     _check_against_plan(probe, plan, trainer.global_step)
     sampler = dm.sampler
     return {
-        "status": "ok", "steps": trainer.global_step, "tokens": probe.tokens, "evals": probe.evals,
-        "fit_wall_s": fit_s, "eval_wall_s": probe.eval_s, "train_wall_s": fit_s - probe.eval_s,
-        "step_intervals_s": probe.intervals, "train_losses": probe.losses,
-        "sampler_s": sampler.seconds, "sampler_calls": sampler.calls, "sampler_max_call_s": sampler.max_call_s,
-        "hook_s": dm.hook_s, "hook_calls": dm.hook_calls, "log_dir": trainer.logger.log_dir,
-        "threads": torch.get_num_threads(), "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
+        "status": "ok",
+        "steps": trainer.global_step,
+        "tokens": probe.tokens,
+        "evals": probe.evals,
+        "fit_wall_s": fit_s,
+        "eval_wall_s": probe.eval_s,
+        "train_wall_s": fit_s - probe.eval_s,
+        "step_intervals_s": probe.intervals,
+        "train_losses": probe.losses,
+        "sampler_s": sampler.seconds,
+        "sampler_calls": sampler.calls,
+        "sampler_max_call_s": sampler.max_call_s,
+        "hook_s": dm.hook_s,
+        "hook_calls": dm.hook_calls,
+        "log_dir": trainer.logger.log_dir,
+        "threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
     }
 
 
@@ -397,8 +442,9 @@ def worker_main(args: argparse.Namespace) -> int:
 # launcher
 
 
-def launch(run: str, config: RunConfig, plan: dict[str, Any], section: dict[str, Any], args: argparse.Namespace
-           ) -> dict[str, Any]:
+def launch(
+    run: str, config: RunConfig, plan: dict[str, Any], section: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     """Runs one run in ``world_size`` fresh processes; returns its status, wall time and per-rank results."""
     shutil.rmtree(TB_ROOT / run, ignore_errors=True)
     load_before = os.getloadavg()[0]
@@ -409,22 +455,35 @@ def launch(run: str, config: RunConfig, plan: dict[str, Any], section: dict[str,
         port, procs = find_free_port(), []
         for rank in range(config.world_size):
             with open(args.out_dir / f"{args.stem}_{run}_rank{rank}.log", "wb") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, __file__, "--worker", "--run", run, "--spec", str(spec), "--out", tmp],
-                    cwd=REPO_ROOT, env=rank_environ(rank, config.world_size, port, 1),
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                ))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, "--worker", "--run", run, "--spec", str(spec), "--out", tmp],
+                        cwd=REPO_ROOT,
+                        env=rank_environ(rank, config.world_size, port, 1),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         status = _wait_ranks(procs, args.timeout)
         ranks = []
         for rank in range(config.world_size):
             path = Path(tmp) / f"rank{rank}.json"
-            ranks.append(json.loads(path.read_text()) if path.exists() else
-                         {"rank": rank, "status": "error", "error": "no result (killed or crashed; see its log)"})
+            ranks.append(
+                json.loads(path.read_text())
+                if path.exists()
+                else {"rank": rank, "status": "error", "error": "no result (killed or crashed; see its log)"}
+            )
     errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if r["status"] != "ok"]
     if errors:
         status = "; ".join(errors)
-    return {"run": run, "status": status, "wall_s": time.monotonic() - start, "ranks": ranks,
-            "loadavg_1min": [load_before, os.getloadavg()[0]]}
+    return {
+        "run": run,
+        "status": status,
+        "wall_s": time.monotonic() - start,
+        "ranks": ranks,
+        "loadavg_1min": [load_before, os.getloadavg()[0]],
+    }
 
 
 def tensorboard_series(log_dir: str, tag: str) -> list[list[float]]:
@@ -460,35 +519,52 @@ def summarize(config: RunConfig, plans: dict[str, dict[str, Any]], results: list
     """The report: per run (rank 0's losses, both ranks' timings), comparison, TensorBoard check."""
     runs: dict[str, Any] = {}
     for res in results:
-        entry: dict[str, Any] = {"status": res["status"], "wall_s": res["wall_s"],
-                                 "loadavg_1min": res["loadavg_1min"], "plan": {
-            k: v for k, v in plans[res["run"]].items() if k != "seq_len_per_step"}}
+        entry: dict[str, Any] = {
+            "status": res["status"],
+            "wall_s": res["wall_s"],
+            "loadavg_1min": res["loadavg_1min"],
+            "plan": {k: v for k, v in plans[res["run"]].items() if k != "seq_len_per_step"},
+        }
         if res["status"] == "ok":
             r0 = res["ranks"][0]
-            entry.update(steps=r0["steps"], tokens=r0["tokens"], evals=r0["evals"],
-                         final_val_loss=r0["evals"][-1]["val_loss"], fit_wall_s=r0["fit_wall_s"],
-                         train_wall_s=r0["train_wall_s"], log_dir=r0["log_dir"],
-                         overhead={f"rank{r['rank']}": overhead(r) for r in res["ranks"]},
-                         peak_rss_kib=[r["peak_rss_kib"] for r in res["ranks"]],
-                         train_loss_last10=statistics.mean(r0["train_losses"][-10:]))
+            entry.update(
+                steps=r0["steps"],
+                tokens=r0["tokens"],
+                evals=r0["evals"],
+                final_val_loss=r0["evals"][-1]["val_loss"],
+                fit_wall_s=r0["fit_wall_s"],
+                train_wall_s=r0["train_wall_s"],
+                log_dir=r0["log_dir"],
+                overhead={f"rank{r['rank']}": overhead(r) for r in res["ranks"]},
+                peak_rss_kib=[r["peak_rss_kib"] for r in res["ranks"]],
+                train_loss_last10=statistics.mean(r0["train_losses"][-10:]),
+            )
         runs[res["run"]] = entry
     report: dict[str, Any] = {"runs": runs}
     cur, base = runs.get("curriculum", {}), runs.get("baseline", {})
     if "final_val_loss" in cur and "final_val_loss" in base:
         report["comparison"] = {
-            "val_loss_curriculum": cur["final_val_loss"], "val_loss_baseline": base["final_val_loss"],
+            "val_loss_curriculum": cur["final_val_loss"],
+            "val_loss_baseline": base["final_val_loss"],
             "delta_curriculum_minus_baseline": cur["final_val_loss"] - base["final_val_loss"],
-            "tokens_curriculum": cur["tokens"], "tokens_baseline": base["tokens"],
-            "at_fraction": [{"fraction": f, "curriculum": c, "baseline": b} for f, c, b in
-                            zip(config.eval_fractions, cur["evals"], base["evals"])],
+            "tokens_curriculum": cur["tokens"],
+            "tokens_baseline": base["tokens"],
+            "at_fraction": [
+                {"fraction": f, "curriculum": c, "baseline": b}
+                for f, c, b in zip(config.eval_fractions, cur["evals"], base["evals"])
+            ],
         }
     if "log_dir" in cur:
         series = tensorboard_series(cur["log_dir"], f"curriculum/{SEQLEN_METRIC}")
         values = [v for _, v in series]
         report["tensorboard"] = {
-            "log_dir": str(Path(cur["log_dir"]).relative_to(REPO_ROOT)), "tag": f"curriculum/{SEQLEN_METRIC}",
-            "points": len(series), "first": series[0] if series else None, "last": series[-1] if series else None,
-            "non_decreasing": values == sorted(values), "rising": bool(values) and values[-1] > values[0],
+            "log_dir": str(Path(cur["log_dir"]).relative_to(REPO_ROOT)),
+            "tag": f"curriculum/{SEQLEN_METRIC}",
+            "points": len(series),
+            "first": series[0] if series else None,
+            "last": series[-1] if series else None,
+            "non_decreasing": values == sorted(values),
+            "rising": bool(values) and values[-1] > values[0],
             "series": series,
         }
     return report
@@ -516,35 +592,55 @@ def markdown(config: RunConfig, report: dict[str, Any], section: dict[str, Any])
             lines.append(f"| {name} | {r['status']} | — | — | {r['wall_s']:.0f} | — | — |")
             continue
         load = ", ".join(f"{x:.1f}" for x in r["loadavg_1min"])
-        lines.append(f"| {name} | {r['steps']} | {r['tokens']:,} | {r['final_val_loss']:.4f} | {r['wall_s']:.0f} | "
-                     f"{r['train_wall_s']:.0f} | {load} |")
+        lines.append(
+            f"| {name} | {r['steps']} | {r['tokens']:,} | {r['final_val_loss']:.4f} | {r['wall_s']:.0f} | "
+            f"{r['train_wall_s']:.0f} | {load} |"
+        )
     if "comparison" in report:
         cmp_ = report["comparison"]
-        lines += ["", f"Curriculum minus baseline at the end: {cmp_['delta_curriculum_minus_baseline']:+.4f} (one seed; "
-                  "the curriculum takes more, shorter optimizer steps for the same tokens). Wall times are on a "
-                  f"shared {os.cpu_count()}-core machine: compare them only at similar load averages.", "",
-                  "| token fraction | curriculum: step / tokens / val loss | baseline: step / tokens / val loss |",
-                  "|---:|---|---|"]
+        lines += [
+            "",
+            f"Curriculum minus baseline at the end: {cmp_['delta_curriculum_minus_baseline']:+.4f} (one seed; "
+            "the curriculum takes more, shorter optimizer steps for the same tokens). Wall times are on a "
+            f"shared {os.cpu_count()}-core machine: compare them only at similar load averages.",
+            "",
+            "| token fraction | curriculum: step / tokens / val loss | baseline: step / tokens / val loss |",
+            "|---:|---|---|",
+        ]
         for row in cmp_["at_fraction"]:
             c, b = row["curriculum"], row["baseline"]
-            lines.append(f"| {row['fraction']:g} | {c['step']} / {c['tokens']:,} / {c['val_loss']:.4f} | "
-                         f"{b['step']} / {b['tokens']:,} / {b['val_loss']:.4f} |")
-    lines += ["", "Sampler overhead per training step (sampler `next()` + `on_before_batch_transfer`, target < 2%):", "",
-              "| run | rank | curriculum ms/step | sampler ms/call (max) | mean step ms | overhead |",
-              "|---|---:|---:|---:|---:|---:|"]
+            lines.append(
+                f"| {row['fraction']:g} | {c['step']} / {c['tokens']:,} / {c['val_loss']:.4f} | "
+                f"{b['step']} / {b['tokens']:,} / {b['val_loss']:.4f} |"
+            )
+    lines += [
+        "",
+        "Sampler overhead per training step (sampler `next()` + `on_before_batch_transfer`, target < 2%):",
+        "",
+        "| run | rank | curriculum ms/step | sampler ms/call (max) | mean step ms | overhead |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in runs.items():
         for rank, o in r.get("overhead", {}).items():
-            lines.append(f"| {name} | {rank[4:]} | {o['curriculum_ms_per_step']:.3f} | {o['sampler_ms_per_call']:.3f} "
-                         f"({o['sampler_max_call_ms']:.1f}) | {o['mean_step_ms']:.0f} | {o['overhead_pct']:.3f}% |")
+            lines.append(
+                f"| {name} | {rank[4:]} | {o['curriculum_ms_per_step']:.3f} | {o['sampler_ms_per_call']:.3f} "
+                f"({o['sampler_max_call_ms']:.1f}) | {o['mean_step_ms']:.0f} | {o['overhead_pct']:.3f}% |"
+            )
     cur = [o["curriculum_ms_per_step"] for o in runs.get("curriculum", {}).get("overhead", {}).values()]
     if cur:
         worst = max(cur)
-        lines += ["", f"The overhead is small here because CPU steps are slow; in absolute terms the curriculum costs "
-                  f"{worst:.2f} ms per step on this machine, i.e. {100 * worst / 50:.1f}% of a 50 ms (GPU-class) step."]
+        lines += [
+            "",
+            f"The overhead is small here because CPU steps are slow; in absolute terms the curriculum costs "
+            f"{worst:.2f} ms per step on this machine, i.e. {100 * worst / 50:.1f}% of a 50 ms (GPU-class) step.",
+        ]
     tb = report.get("tensorboard")
     if tb:
-        lines += ["", f"TensorBoard (`{tb['log_dir']}`, tag `{tb['tag']}`): {tb['points']} points from "
-                  f"{tb['first']} to {tb['last']} ([step, value]); non-decreasing: {tb['non_decreasing']}."]
+        lines += [
+            "",
+            f"TensorBoard (`{tb['log_dir']}`, tag `{tb['tag']}`): {tb['points']} points from "
+            f"{tb['first']} to {tb['last']} ([step, value]); non-decreasing: {tb['non_decreasing']}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -556,8 +652,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="smoke test: 12 baseline steps; writes curriculum_quick.*")
     p.add_argument("--baseline-steps", type=int, default=None, help="baseline optimizer steps (default: YAML's 400)")
-    p.add_argument("--curriculum-steps", type=int, default=None,
-                   help="override the YAML's total_curriculum_step (default: keep it)")
+    p.add_argument(
+        "--curriculum-steps",
+        type=int,
+        default=None,
+        help="override the YAML's total_curriculum_step (default: keep it)",
+    )
     p.add_argument("--strategy", choices=("ddp", "zstack_zero3"), default="ddp")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
     p.add_argument("--out-dir", type=Path, default=BENCH_DIR / "results")
@@ -582,8 +682,7 @@ def main() -> int:
         return 0
     yaml_steps = int(yaml.safe_load(YAML_PATH.read_text())["trainer"]["max_steps"])
     steps = args.baseline_steps or (12 if args.quick else yaml_steps)
-    config = RunConfig(strategy=args.strategy, baseline_steps=steps,
-                       **({"max_bytes": 1_000_000} if args.quick else {}))
+    config = RunConfig(strategy=args.strategy, baseline_steps=steps, **({"max_bytes": 1_000_000} if args.quick else {}))
     section = curriculum_section(YAML_PATH, args.curriculum_steps or (6 if args.quick else None))
     sections = {"curriculum": section, "baseline": without_curriculum(section)}
     budget = steps * config.global_batch * config.seq_len
@@ -597,7 +696,10 @@ def main() -> int:
     report = {
         "benchmark": "curriculum_gpt",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": asdict(config), "token_budget": budget, "data_efficiency": sections, "machine": machine_info(),
+        "config": asdict(config),
+        "token_budget": budget,
+        "data_efficiency": sections,
+        "machine": machine_info(),
         "definitions": {
             "tokens": "input tokens trained on, all ranks (after seqlen truncation)",
             "val_loss": "token-weighted mean cross-entropy (nats) over the whole validation split, full length",

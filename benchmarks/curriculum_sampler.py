@@ -42,12 +42,26 @@ def data_efficiency(root: Path, steps: int) -> dict[str, Any]:
     metric = {
         "index_to_sample_path": str(root / "len" / "len_index_to_sample"),
         "index_to_metric_path": str(root / "len" / "len_index_to_metric"),
-        "difficulty_type": "value", "clustering_type": "schedule_based",
-        "min_difficulty": 64, "max_difficulty": 1024, "schedule_type": "fixed_linear",
+        "difficulty_type": "value",
+        "clustering_type": "schedule_based",
+        "min_difficulty": 64,
+        "max_difficulty": 1024,
+        "schedule_type": "fixed_linear",
         "schedule_config": {"total_curriculum_step": max(1, steps // 2), "difficulty_step": 64},
     }
-    return {"enabled": True, "seed": 1, "data_sampling": {"enabled": True, "num_epochs": 1000, "curriculum_learning": {
-        "enabled": True, "data_cluster_path": str(root / "clusters"), "curriculum_metrics": {"len": metric}}}}
+    return {
+        "enabled": True,
+        "seed": 1,
+        "data_sampling": {
+            "enabled": True,
+            "num_epochs": 1000,
+            "curriculum_learning": {
+                "enabled": True,
+                "data_cluster_path": str(root / "clusters"),
+                "curriculum_metrics": {"len": metric},
+            },
+        },
+    }
 
 
 def time_sampler(sampler_factory: Any, micro_batches: int, accum: int) -> dict[str, float]:
@@ -70,8 +84,11 @@ def run_zlightning(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     cfg = data_efficiency(root, args.steps)
     cfg["data_sampling"]["curriculum_learning"]["data_cluster_path"] = str(root / "clusters_zl")
-    out = time_sampler(lambda: DeepSpeedDataSampler(cfg, args.samples, args.micro_batch, 0, 1, None, args.accum),
-                       args.steps * args.accum, args.accum)
+    out = time_sampler(
+        lambda: DeepSpeedDataSampler(cfg, args.samples, args.micro_batch, 0, 1, None, args.accum),
+        args.steps * args.accum,
+        args.accum,
+    )
     return out
 
 
@@ -79,10 +96,31 @@ def run_deepspeed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """DeepSpeed's sampler in its venv (this script with ``--deepspeed-worker``)."""
     if not DS_PYTHON.exists():
         return {"status": "skipped: benchmarks/.venv-deepspeed missing (run benchmarks/setup_deepspeed_venv.sh)"}
-    cmd = [str(DS_PYTHON), __file__, "--deepspeed-worker", "--root", str(root), "--samples", str(args.samples),
-           "--micro-batch", str(args.micro_batch), "--accum", str(args.accum), "--steps", str(args.steps)]
-    env = {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [
+        str(DS_PYTHON),
+        __file__,
+        "--deepspeed-worker",
+        "--root",
+        str(root),
+        "--samples",
+        str(args.samples),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--accum",
+        str(args.accum),
+        "--steps",
+        str(args.steps),
+    ]
+    env = {
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        "PATH": "/usr/bin:/bin",
+    }
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -104,7 +142,9 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
     group = torch.distributed.group.WORLD
     out = time_sampler(
         lambda: DeepSpeedDataSampler(cfg, args.samples, args.micro_batch, 0, 1, group, args.accum, dist.get_rank()),
-        args.steps * args.accum, args.accum)
+        args.steps * args.accum,
+        args.accum,
+    )
     out["status"] = "ok"
     out["version"] = deepspeed.__version__
     print("RESULT " + json.dumps(out), flush=True)
@@ -128,10 +168,18 @@ def summarize(args: argparse.Namespace, index_s: float, runs: dict[str, dict[str
     report: dict[str, Any] = {
         "benchmark": "curriculum_sampler",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {"samples": args.samples, "micro_batch": args.micro_batch, "dp": 1, "accum": args.accum,
-                   "global_batch": g, "steps": args.steps, "metric": "uniform 1..1024",
-                   "schedule": f"fixed_linear 64->1024 step 64 over {max(1, args.steps // 2)} steps"},
-        "index_build_s": index_s, "runs": runs,
+        "config": {
+            "samples": args.samples,
+            "micro_batch": args.micro_batch,
+            "dp": 1,
+            "accum": args.accum,
+            "global_batch": g,
+            "steps": args.steps,
+            "metric": "uniform 1..1024",
+            "schedule": f"fixed_linear 64->1024 step 64 over {max(1, args.steps // 2)} steps",
+        },
+        "index_build_s": index_s,
+        "runs": runs,
     }
     zl, ds = runs.get("zlightning", {}), runs.get("deepspeed", {})
     if "steady_s" in zl and "steady_s" in ds:
@@ -141,15 +189,19 @@ def summarize(args: argparse.Namespace, index_s: float, runs: dict[str, dict[str
 
 def markdown(report: dict[str, Any]) -> str:
     c = report["config"]
-    lines = [f"# Curriculum sampler throughput ({c['samples']:,} samples, global batch {c['global_batch']}, "
-             f"{c['steps']} global batches, {c['schedule']})\n",
-             f"Index build (`write_metric_index`, once): {report['index_build_s']:.1f} s.\n",
-             "| sampler | first global batch (s) | ms / global batch | global samples/s | status |",
-             "|---|---:|---:|---:|---|"]
+    lines = [
+        f"# Curriculum sampler throughput ({c['samples']:,} samples, global batch {c['global_batch']}, "
+        f"{c['steps']} global batches, {c['schedule']})\n",
+        f"Index build (`write_metric_index`, once): {report['index_build_s']:.1f} s.\n",
+        "| sampler | first global batch (s) | ms / global batch | global samples/s | status |",
+        "|---|---:|---:|---:|---|",
+    ]
     for name, r in report["runs"].items():
         if "steady_s" in r:
-            lines.append(f"| {name} | {r['first_batch_s']:.2f} | {r['ms_per_global_batch']:.3f} | "
-                         f"{r['steady_global_samples_per_s']:,.0f} | {r['status']} |")
+            lines.append(
+                f"| {name} | {r['first_batch_s']:.2f} | {r['ms_per_global_batch']:.3f} | "
+                f"{r['steady_global_samples_per_s']:,.0f} | {r['status']} |"
+            )
         else:
             lines.append(f"| {name} | — | — | — | {r['status'][:200]} |")
     if "speedup_zlightning_vs_deepspeed" in report:
@@ -173,7 +225,6 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(REPO_ROOT))
     import numpy as np
-
     from zlightning.datamodules.curriculum import write_metric_index
 
     with tempfile.TemporaryDirectory(prefix="curriculum_sampler_") as tmp:

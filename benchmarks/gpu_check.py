@@ -85,8 +85,9 @@ def _zero3_memory(rank: int, world: int, kind: str, width: int, depth: int, step
         dist.destroy_process_group()
 
 
-def _offload_capped(rank: int, world: int, kind: str, width: int, depth: int, fraction: float,
-                    swap: str) -> dict[str, Any]:
+def _offload_capped(
+    rank: int, world: int, kind: str, width: int, depth: int, fraction: float, swap: str
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from zlightning.zero import CPUOffload, DeepSpeedZeroOptimizer_Stage3, NVMeOffload, ZeroConfig
@@ -98,10 +99,14 @@ def _offload_capped(rank: int, world: int, kind: str, width: int, depth: int, fr
         with torch.device("meta"):
             model = _blocks(width, depth)
         numel = depth * (width * width + width)
-        config = (ZeroConfig(offload_optimizer=CPUOffload()) if kind == "cpu" else
-                  ZeroConfig(offload_optimizer=NVMeOffload(path=swap), offload_params=NVMeOffload(path=swap)))
-        zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config,
-                                             device=torch.device("cuda", rank))
+        config = (
+            ZeroConfig(offload_optimizer=CPUOffload())
+            if kind == "cpu"
+            else ZeroConfig(offload_optimizer=NVMeOffload(path=swap), offload_params=NVMeOffload(path=swap))
+        )
+        zero = DeepSpeedZeroOptimizer_Stage3(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config, device=torch.device("cuda", rank)
+        )
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(4, width, device="cuda", generator=g)
         losses, times = [], []
@@ -116,8 +121,13 @@ def _offload_capped(rank: int, world: int, kind: str, width: int, depth: int, fr
             losses.append(float(loss))
         total = torch.cuda.get_device_properties(rank).total_memory
         zero.close()
-        return {"losses": losses, "median_step_s": statistics.median(times[1:]), "model_fp32_gb": 4 * numel / 1e9,
-                "device_cap_gb": fraction * total / 1e9, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+        return {
+            "losses": losses,
+            "median_step_s": statistics.median(times[1:]),
+            "model_fp32_gb": 4 * numel / 1e9,
+            "device_cap_gb": fraction * total / 1e9,
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -135,8 +145,9 @@ def _cpu_adam(rank: int, world: int, width: int, depth: int) -> dict[str, Any]:
             with torch.device("meta"):
                 model = _blocks(width, depth)
             config = ZeroConfig(offload_optimizer=CPUOffload()) if kind == "cpu_adam" else ZeroConfig()
-            zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config,
-                                                 device=torch.device("cuda", rank))
+            zero = DeepSpeedZeroOptimizer_Stage3(
+                model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config, device=torch.device("cuda", rank)
+            )
             times = []
             for _ in range(6):
                 x = torch.randn(8, width, device="cuda")
@@ -155,10 +166,10 @@ def _cpu_adam(rank: int, world: int, width: int, depth: int) -> dict[str, Any]:
 
 def _compile(rank: int, world: int) -> dict[str, Any]:
     import lightning.pytorch as pl
+    from zlightning.strategies import ZStackZero3Strategy
 
     import zlightning  # noqa: F401
     from tests._lightning_models import TinyGPTModule, loader
-    from zlightning.strategies import ZStackZero3Strategy
 
     out = {}
     for compiled in (False, True):
@@ -173,9 +184,17 @@ def _compile(rank: int, world: int) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - self.t)
 
-        trainer = pl.Trainer(strategy=ZStackZero3Strategy(compile=compiled), accelerator="cuda", devices=world,
-                             max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[Clock()])
+        trainer = pl.Trainer(
+            strategy=ZStackZero3Strategy(compile=compiled),
+            accelerator="cuda",
+            devices=world,
+            max_steps=12,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[Clock()],
+        )
         trainer.fit(TinyGPTModule(), loader(12, 4, world))
         out["compiled" if compiled else "eager"] = statistics.median(times[4:])
     return out
@@ -212,8 +231,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     plan = {
         "zero3_memory": lambda: {k: _run(_zero3_memory, world, k, 4096, 24, 20)[0] for k in ("ddp", "zero3")},
-        "offload_capped": lambda: {k: _run(_offload_capped, world, k, 8192, 24, args.cap_fraction,
-                                           tempfile.mkdtemp(prefix="zl-gpu-swap-"))[0] for k in ("cpu", "nvme")},
+        "offload_capped": lambda: {
+            k: _run(_offload_capped, world, k, 8192, 24, args.cap_fraction, tempfile.mkdtemp(prefix="zl-gpu-swap-"))[0]
+            for k in ("cpu", "nvme")
+        },
         "cpu_adam": lambda: _run(_cpu_adam, world, 4096, 16)[0],
         "compile": lambda: _run(_compile, world)[0],
         "quantize": _quantize,
@@ -230,9 +251,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _markdown(tests_rc: int | None, results: dict[str, Any]) -> str:
     dev = torch.cuda.get_device_name(0)
-    lines = [f"# GPU check ({datetime.date.today()}, {torch.cuda.device_count()} x {dev}, torch {torch.__version__})",
-             "", f"GPU-marked tests: {'not run' if tests_rc is None else ('passed' if tests_rc == 0 else 'FAILED')}",
-             ""]
+    lines = [
+        f"# GPU check ({datetime.date.today()}, {torch.cuda.device_count()} x {dev}, torch {torch.__version__})",
+        "",
+        f"GPU-marked tests: {'not run' if tests_rc is None else ('passed' if tests_rc == 0 else 'FAILED')}",
+        "",
+    ]
     for name, r in results.items():
         lines.append(f"## {name}\n\n```\n{json.dumps(r, indent=1, default=str)}\n```\n")
     return "\n".join(lines)
@@ -242,8 +266,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-tests", action="store_true", help="skip the GPU-marked tests")
     p.add_argument("--only", nargs="+", choices=MEASUREMENTS, help="run only these measurements")
-    p.add_argument("--cap-fraction", type=float, default=0.05,
-                   help="device memory fraction for the capped offload run (the model must not fit in it)")
+    p.add_argument(
+        "--cap-fraction",
+        type=float,
+        default=0.05,
+        help="device memory fraction for the capped offload run (the model must not fit in it)",
+    )
     p.add_argument("--out", type=Path, default=BENCH / "results" / "gpu.md")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -254,13 +282,15 @@ def main() -> int:
         return 0
     tests_rc = None
     if not args.no_tests:
-        tests_rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"], cwd=REPO,
-                                  env=dict(os.environ)).returncode
+        tests_rc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"], cwd=REPO, env=dict(os.environ)
+        ).returncode
     results = measure(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(_markdown(tests_rc, results))
-    (args.out.with_suffix(".json")).write_text(json.dumps({"tests_rc": tests_rc, "results": results}, indent=2,
-                                                          default=str))
+    (args.out.with_suffix(".json")).write_text(
+        json.dumps({"tests_rc": tests_rc, "results": results}, indent=2, default=str)
+    )
     print(f"wrote {args.out}")
     return 0 if tests_rc in (0, None, 5) and all(r["status"] == "ok" for r in results.values()) else 1
 

@@ -133,12 +133,18 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|",
         ]
         base = idle["summary"]["dp_packing"]["step_s"]
-        names = {"dp_packing": "plain DP packing (no CP)", "l2": "hybrid CP, cost L²/cp (default)",
-                 "shape": "hybrid CP, shape-derived cost", "measured": "hybrid CP, measured cost"}
+        names = {
+            "dp_packing": "plain DP packing (no CP)",
+            "l2": "hybrid CP, cost L²/cp (default)",
+            "shape": "hybrid CP, shape-derived cost",
+            "measured": "hybrid CP, measured cost",
+        }
         for key, label in names.items():
             row = idle["summary"][key]
-            lines.append(f"| {label} | {row['step_s']:.3f} | {100 * row['idle_fraction']:.2f}% | "
-                         f"{base / row['step_s']:.3f}x | {row['schedule_ms']:.1f} |")
+            lines.append(
+                f"| {label} | {row['step_s']:.3f} | {100 * row['idle_fraction']:.2f}% | "
+                f"{base / row['step_s']:.3f}x | {row['schedule_ms']:.1f} |"
+            )
         over = training["overhead"]
         lines += [
             "",
@@ -169,9 +175,13 @@ def main() -> None:
         overhead = ht.wrapper_overhead(2, args.overhead_steps, args.max_bytes)
         overhead["fraction_of_step"] = overhead["wrapper_next_ms"] / (1e3 * idle["summary"]["measured"]["step_s"])
         result["training"] = {
-            "config": {"seq_len": ht.SEQ_LEN, "batch": ht.BATCH, "ranks": ht.RANKS,
-                       "max_seqlen_per_rank": ht.MAX_SEQLEN_PER_RANK,
-                       "model": f"d_model {ht.MODEL.d_model}, {ht.MODEL.n_layer} layers, vocab {ht.MODEL.vocab_size}"},
+            "config": {
+                "seq_len": ht.SEQ_LEN,
+                "batch": ht.BATCH,
+                "ranks": ht.RANKS,
+                "max_seqlen_per_rank": ht.MAX_SEQLEN_PER_RANK,
+                "model": f"d_model {ht.MODEL.d_model}, {ht.MODEL.n_layer} layers, vocab {ht.MODEL.vocab_size}",
+            },
             "measured_grid": [list(m) for m in measured],
             "idle": idle,
             "overhead": overhead,

@@ -26,8 +26,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-from examples.gpt_model import GPT, GPTConfig
 from zlightning.datamodules import TextCorpusDataModule
 from zlightning.datamodules.hybrid_cp import (
     HybridCPConfig,
@@ -39,6 +37,8 @@ from zlightning.datamodules.hybrid_cp import (
     transformer_cost,
     unpack_packed_batch,
 )
+
+from examples.gpt_model import GPT, GPTConfig
 from zlightning.testing import run_distributed
 
 MODEL = GPTConfig(vocab_size=256, seq_len=4096, d_model=128, n_layer=2, n_head=4)
@@ -64,8 +64,7 @@ class _LocalKV(TorchFunctionMode):
         q, k, v = args[:3]
         t = q.shape[2]
         mask = torch.ones(t, self.cp * t, dtype=torch.bool).tril(diagonal=(self.cp - 1) * t)
-        return F.scaled_dot_product_attention(q, k.repeat(1, 1, self.cp, 1), v.repeat(1, 1, self.cp, 1),
-                                              attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k.repeat(1, 1, self.cp, 1), v.repeat(1, 1, self.cp, 1), attn_mask=mask)
 
 
 def measure_shard_costs(reps: int = 2) -> list[tuple[int, int, float]]:
@@ -161,8 +160,12 @@ def idle_time(batches: list[list[list[int]]], measured: list[tuple[int, int, flo
     return {
         "summary": summary,
         "ideal_cp1_step_s": ideal,
-        "measured_cost": {"linear_s_per_token": clock.linear, "quadratic_s_per_pair": clock.quadratic,
-                          "crossover_tokens": clock.crossover_length, "max_rel_fit_error": fit_err},
+        "measured_cost": {
+            "linear_s_per_token": clock.linear,
+            "quadratic_s_per_pair": clock.quadratic,
+            "crossover_tokens": clock.crossover_length,
+            "max_rel_fit_error": fit_err,
+        },
         "shape_cost_crossover_tokens": transformer_cost(TransformerShape.of(MODEL)).crossover_length,
         "global_batches": len(batches),
         "subsamples_per_batch": statistics.mean(sum(len(r) for r in b) for b in batches),

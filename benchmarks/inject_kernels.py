@@ -106,13 +106,21 @@ def run(quick: bool) -> dict[str, Any]:
         rows[name] = {"original_s": t["original"], "saved_bytes_original": saved["original"]}
         for mode in ("recompute", "save"):
             rows[name] |= {
-                f"fused_{mode}_s": t[mode], f"speedup_{mode}": t["original"] / t[mode],
-                f"saved_bytes_{mode}": saved[mode], f"saved_bytes_ratio_{mode}": saved[mode] / saved["original"],
+                f"fused_{mode}_s": t[mode],
+                f"speedup_{mode}": t["original"] / t[mode],
+                f"saved_bytes_{mode}": saved[mode],
+                f"saved_bytes_ratio_{mode}": saved[mode] / saved["original"],
             }
     return {
-        "config": {"d_model": d, "tokens": tokens, "threads": torch.get_num_threads(), "quick": quick,
-                   "load_average_1min": os.getloadavg()[0],
-                   "torch": torch.__version__, "cpu": platform.processor() or platform.machine()},
+        "config": {
+            "d_model": d,
+            "tokens": tokens,
+            "threads": torch.get_num_threads(),
+            "quick": quick,
+            "load_average_1min": os.getloadavg()[0],
+            "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+        },
         "results": rows,
     }
 
@@ -132,12 +140,16 @@ def _markdown(out: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, r in out["results"].items():
-        lines.append(f"| {name} | original | {r['original_s'] * 1e3:.2f} | 1.000 | "
-                     f"{r['saved_bytes_original'] / 2**20:.2f} | 1.000 |")
+        lines.append(
+            f"| {name} | original | {r['original_s'] * 1e3:.2f} | 1.000 | "
+            f"{r['saved_bytes_original'] / 2**20:.2f} | 1.000 |"
+        )
         for mode in ("recompute", "save"):
-            lines.append(f"| {name} | fused_mlp={mode} | {r[f'fused_{mode}_s'] * 1e3:.2f} | "
-                         f"{r[f'speedup_{mode}']:.3f} | {r[f'saved_bytes_{mode}'] / 2**20:.2f} | "
-                         f"{r[f'saved_bytes_ratio_{mode}']:.3f} |")
+            lines.append(
+                f"| {name} | fused_mlp={mode} | {r[f'fused_{mode}_s'] * 1e3:.2f} | "
+                f"{r[f'speedup_{mode}']:.3f} | {r[f'saved_bytes_{mode}'] / 2**20:.2f} | "
+                f"{r[f'saved_bytes_ratio_{mode}']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

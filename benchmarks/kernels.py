@@ -84,6 +84,7 @@ def _timed(fn: Callable[[], object]) -> Timed:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
     return call
 
 
@@ -107,8 +108,11 @@ def run_rounds(contenders: dict[str, Timed], rounds: int, skipped: dict[str, Row
                 continue
             if r:
                 times[name].append(t)
-    return {name: {"seconds": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "rounds": len(ts)}
-            for name, ts in times.items() if name in live}
+    return {
+        name: {"seconds": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "rounds": len(ts)}
+        for name, ts in times.items()
+        if name in live
+    }
 
 
 class DeepSpeedWorker:
@@ -129,10 +133,22 @@ class DeepSpeedWorker:
             return
         env = dict(os.environ)
         env.pop("VIRTUAL_ENV", None)
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", MAX_JOBS="2",
-                   TORCH_EXTENSIONS_DIR=str(DEEPSPEED_VENV / "torch_extensions"))
-        self.proc = subprocess.Popen([str(self.python), str(DEEPSPEED_WORKER)], cwd=BENCH_DIR, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        env.update(
+            DS_ACCELERATOR="cpu",
+            OMP_NUM_THREADS=str(threads),
+            PYTHONUNBUFFERED="1",
+            MAX_JOBS="2",
+            TORCH_EXTENSIONS_DIR=str(DEEPSPEED_VENV / "torch_extensions"),
+        )
+        self.proc = subprocess.Popen(
+            [str(self.python), str(DEEPSPEED_WORKER)],
+            cwd=BENCH_DIR,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+        )
 
     def _log_tail(self) -> str:
         if not self.log.closed:
@@ -192,13 +208,13 @@ def bench_adam(n: int, rounds: int, ds: DeepSpeedWorker) -> dict[str, Row]:
     contenders: dict[str, Timed] = {}
     skipped: dict[str, Row] = {}
     p = param()
-    contenders["torch AdamW(fused=True)"] = _timed(torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01,
-                                                                     fused=True).step)
+    contenders["torch AdamW(fused=True)"] = _timed(torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True).step)
     p = param()
     opt_c = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True)
     copy = torch.empty(n, dtype=torch.bfloat16)
     contenders["torch AdamW(fused=True) + bf16 copy_"] = _timed(
-        lambda opt=opt_c, p=p, copy=copy: (opt.step(), copy.copy_(p)))
+        lambda opt=opt_c, p=p, copy=copy: (opt.step(), copy.copy_(p))
+    )
     best = "not built"
     if _ext.available():
         best = torch.ops.zlightning.set_isa("")
@@ -210,6 +226,7 @@ def bench_adam(n: int, rounds: int, ds: DeepSpeedWorker) -> dict[str, Row]:
             def step(opt: CPUAdam = opt, isa: str = isa, copies: list[torch.Tensor] | None = copies) -> None:
                 torch.ops.zlightning.set_isa(isa)
                 opt.step(fp16_param_groups=copies) if copies else opt.step()
+
             name = f"CPUAdam ({label})" + (" + bf16 copy, one pass" if with_copy else "")
             contenders[name] = _timed(step)
     else:
@@ -247,16 +264,27 @@ def _fio_call(path: Path, nbytes: int, rw: str, engine: str) -> Timed:
     def call() -> float:
         if not fio:
             raise RuntimeError("fio not installed (Debian package `fio`)")
-        cmd = [fio, "--name=zl", f"--filename={path}", f"--rw={rw}", f"--bs={BLOCK_SIZE}",
-               f"--iodepth={QUEUE_DEPTH}", "--direct=1", f"--ioengine={engine}", f"--size={nbytes}",
-               "--numjobs=1", "--output-format=json"]
+        cmd = [
+            fio,
+            "--name=zl",
+            f"--filename={path}",
+            f"--rw={rw}",
+            f"--bs={BLOCK_SIZE}",
+            f"--iodepth={QUEUE_DEPTH}",
+            "--direct=1",
+            f"--ioengine={engine}",
+            f"--size={nbytes}",
+            "--numjobs=1",
+            "--output-format=json",
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=CALL_TIMEOUT_S)
         if out.returncode:
             raise RuntimeError(f"fio failed: {out.stderr.strip()[-200:]}")
-        job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0][rw]
+        job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0][rw]
         if job["io_bytes"] != nbytes:
             raise RuntimeError(f"fio {rw} moved {job['io_bytes']} bytes, expected {nbytes}")
         return nbytes / job["bw_bytes"]
+
     return call
 
 
@@ -276,6 +304,7 @@ def _engine_calls(backend: str, path: Path, nbytes: int) -> tuple[Timed, Timed, 
     def close() -> None:
         eng.free_cpu_locked_tensor(buf)
         eng.close()
+
     return _timed(write), _timed(read), close
 
 
@@ -287,13 +316,19 @@ def io_size(requested: int, contenders: int, directory: Path) -> tuple[int, str]
         return requested, ""
     step = 256 << 20
     fit = max(step, (free - spare) // contenders // step * step)
-    return fit, (f"shrunk from {requested / 2**30:.2f} GiB: {free / 2**30:.1f} GiB free in {directory} for "
-                 f"{contenders} files")
+    return fit, (
+        f"shrunk from {requested / 2**30:.2f} GiB: {free / 2**30:.1f} GiB free in {directory} for {contenders} files"
+    )
 
 
 def bench_io(nbytes: int, rounds: int, directory: Path, ds: DeepSpeedWorker) -> dict[str, Row]:
-    names = ["fio io_uring (1 job)", "fio libaio (1 job)", "DeepSpeedIOEngine native io_uring",
-             "DeepSpeedIOEngine python thread pool", "DeepSpeed aio (libaio)"]
+    names = [
+        "fio io_uring (1 job)",
+        "fio libaio (1 job)",
+        "DeepSpeedIOEngine native io_uring",
+        "DeepSpeedIOEngine python thread pool",
+        "DeepSpeed aio (libaio)",
+    ]
     files = {name: directory / f"zl_kernels_bench_{i}.bin" for i, name in enumerate(names)}
     writes: dict[str, Timed] = {}
     reads: dict[str, Timed] = {}
@@ -312,8 +347,16 @@ def bench_io(nbytes: int, rounds: int, directory: Path, ds: DeepSpeedWorker) -> 
             writes[name], reads[name] = w, r
             closers.append(close)
         try:
-            setup = ds.request({"op": "aio_setup", "nbytes": nbytes, "path": str(files[names[4]]),
-                                "block_size": BLOCK_SIZE, "queue_depth": QUEUE_DEPTH}, timeout=SETUP_TIMEOUT_S)
+            setup = ds.request(
+                {
+                    "op": "aio_setup",
+                    "nbytes": nbytes,
+                    "path": str(files[names[4]]),
+                    "block_size": BLOCK_SIZE,
+                    "queue_depth": QUEUE_DEPTH,
+                },
+                timeout=SETUP_TIMEOUT_S,
+            )
             extra[names[4]] = {"setup_s": setup.get("load_s"), "locked_buffer": setup.get("locked")}
             writes[names[4]] = lambda: float(ds.request({"op": "aio", "rw": "write"})["seconds"])
             reads[names[4]] = lambda: float(ds.request({"op": "aio", "rw": "read"})["seconds"])
@@ -333,10 +376,14 @@ def bench_io(nbytes: int, rounds: int, directory: Path, ds: DeepSpeedWorker) -> 
             out[name] = skipped[name]
         elif name in w_res and name in r_res:
             w, r = w_res[name], r_res[name]
-            out[name] = {"write_gbps": nbytes / w["seconds"] / 1e9, "read_gbps": nbytes / r["seconds"] / 1e9,
-                         "write_gbps_range": [nbytes / w["max_s"] / 1e9, nbytes / w["min_s"] / 1e9],
-                         "read_gbps_range": [nbytes / r["max_s"] / 1e9, nbytes / r["min_s"] / 1e9],
-                         "rounds": w["rounds"], **extra.get(name, {})}
+            out[name] = {
+                "write_gbps": nbytes / w["seconds"] / 1e9,
+                "read_gbps": nbytes / r["seconds"] / 1e9,
+                "write_gbps_range": [nbytes / w["max_s"] / 1e9, nbytes / w["min_s"] / 1e9],
+                "read_gbps_range": [nbytes / r["max_s"] / 1e9, nbytes / r["min_s"] / 1e9],
+                "rounds": w["rounds"],
+                **extra.get(name, {}),
+            }
     fio_rows = [out[n] for n in names[:2] if "write_gbps" in out.get(n, {})]
     ds_row = out.get(names[4], {})
     for row in out.values():
@@ -376,15 +423,20 @@ def evaluate_targets(res: dict[str, Any]) -> dict[str, Row]:
         v = adam[one_pass]["x_torch_fused"]
         out["adam_step_bf16_copy_x_torch_fused_copy"] = {"value": v, "target": "<= 0.85", "met": v <= 0.85}
     # The default backend ("auto") is the native io_uring one when it is built; the thread pool is the fallback.
-    for key, name in (("native", "DeepSpeedIOEngine native io_uring"),
-                      ("threadpool", "DeepSpeedIOEngine python thread pool")):
+    for key, name in (
+        ("native", "DeepSpeedIOEngine native io_uring"),
+        ("threadpool", "DeepSpeedIOEngine python thread pool"),
+    ):
         eng = io.get(name, {})
         if "write_gbps" not in eng:
             continue
         for rw in ("write", "read"):
             v = eng.get(f"{rw}_x_deepspeed")
-            out[f"io_{key}_{rw}_x_deepspeed_aio"] = {"value": v, "target": ">= 1.0",
-                                                    "met": None if v is None else v >= 1.0}
+            out[f"io_{key}_{rw}_x_deepspeed_aio"] = {
+                "value": v,
+                "target": ">= 1.0",
+                "met": None if v is None else v >= 1.0,
+            }
             v = eng.get(f"{rw}_x_best_fio")
             out[f"io_{key}_{rw}_x_best_fio"] = {"value": v, "target": ">= 0.9", "met": None if v is None else v >= 0.9}
     return out
@@ -396,34 +448,50 @@ def _fmt_range(lo: float, hi: float) -> str:
 
 def _markdown(res: dict[str, Any]) -> str:
     load = res["loadavg"]
-    lines = [f"# Native kernels benchmark ({res['threads']} threads, torch {res['torch']}, ISA {res['isa']})", "",
-             f"Memory copy: {res['memcpy']['gbps']:.1f} GB/s (read+write). Params: {res['adam_params']:,}; "
-             f"I/O: {res['io_bytes'] / 2**20:.0f} MiB per file, 1 MiB blocks, depth 32, O_DIRECT"
-             f"{' (' + res['io_note'] + ')' if res['io_note'] else ''}. Median over {res['rounds']} interleaved "
-             f"rounds after a warm-up (I/O: {res['io_rounds']}). DeepSpeed {res.get('deepspeed', '?')} in "
-             "benchmarks/.venv-deepspeed.", "",
-             f"Shared 2-core VM, other jobs running: load average (1/5/15 min) at start {load['start']}, after Adam "
-             f"{load['after_adam']}, after I/O {load['after_io']}, at end {load['end']}. Expect noise.", "",
-             "| AdamW step | ms (median) | min–max ms | × torch fused | × DeepSpeedCPUAdam | effective GB/s | "
-             "÷ memcpy GB/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Native kernels benchmark ({res['threads']} threads, torch {res['torch']}, ISA {res['isa']})",
+        "",
+        f"Memory copy: {res['memcpy']['gbps']:.1f} GB/s (read+write). Params: {res['adam_params']:,}; "
+        f"I/O: {res['io_bytes'] / 2**20:.0f} MiB per file, 1 MiB blocks, depth 32, O_DIRECT"
+        f"{' (' + res['io_note'] + ')' if res['io_note'] else ''}. Median over {res['rounds']} interleaved "
+        f"rounds after a warm-up (I/O: {res['io_rounds']}). DeepSpeed {res.get('deepspeed', '?')} in "
+        "benchmarks/.venv-deepspeed.",
+        "",
+        f"Shared 2-core VM, other jobs running: load average (1/5/15 min) at start {load['start']}, after Adam "
+        f"{load['after_adam']}, after I/O {load['after_io']}, at end {load['end']}. Expect noise.",
+        "",
+        "| AdamW step | ms (median) | min–max ms | × torch fused | × DeepSpeedCPUAdam | effective GB/s | "
+        "÷ memcpy GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, row in res["adam"].items():
         if "skipped" in row:
             lines.append(f"| {name} | skipped: {row['skipped']} | | | | | |")
             continue
         xds = f"{row['x_deepspeed']:.2f}" if "x_deepspeed" in row else "–"
-        lines.append(f"| {name} | {row['seconds'] * 1e3:.1f} | {_fmt_range(row['min_s'] * 1e3, row['max_s'] * 1e3)}"
-                     f" | {row['x_torch_fused']:.2f} | {xds} | {row['gbps']:.1f} | "
-                     f"{row['gbps'] / res['memcpy']['gbps']:.2f} |")
-    lines += ["", "| I/O | write GB/s | (min–max) | read GB/s | (min–max) | write × DS aio | read × DS aio | "
-              "write × best fio | read × best fio |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {name} | {row['seconds'] * 1e3:.1f} | {_fmt_range(row['min_s'] * 1e3, row['max_s'] * 1e3)}"
+            f" | {row['x_torch_fused']:.2f} | {xds} | {row['gbps']:.1f} | "
+            f"{row['gbps'] / res['memcpy']['gbps']:.2f} |"
+        )
+    lines += [
+        "",
+        "| I/O | write GB/s | (min–max) | read GB/s | (min–max) | write × DS aio | read × DS aio | "
+        "write × best fio | read × best fio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, row in res["io"].items():
         if "skipped" in row:
             lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | |")
             continue
-        cells = [f"{row[k]:.2f}" if k in row else "–" for k in
-                 ("write_x_deepspeed", "read_x_deepspeed", "write_x_best_fio", "read_x_best_fio")]
-        lines.append(f"| {name} | {row['write_gbps']:.2f} | {_fmt_range(*row['write_gbps_range'])} | "
-                     f"{row['read_gbps']:.2f} | {_fmt_range(*row['read_gbps_range'])} | {' | '.join(cells)} |")
+        cells = [
+            f"{row[k]:.2f}" if k in row else "–"
+            for k in ("write_x_deepspeed", "read_x_deepspeed", "write_x_best_fio", "read_x_best_fio")
+        ]
+        lines.append(
+            f"| {name} | {row['write_gbps']:.2f} | {_fmt_range(*row['write_gbps_range'])} | "
+            f"{row['read_gbps']:.2f} | {_fmt_range(*row['read_gbps_range'])} | {' | '.join(cells)} |"
+        )
     lines += ["", "| quantize | ms | input GB/s | × plain PyTorch |", "|---|---:|---:|---:|"]
     for name, row in res["quant"].items():
         lines.append(f"| {name} | {row['seconds'] * 1e3:.1f} | {row['gbps']:.2f} | {row.get('x_plain', 1.0):.2f} |")
@@ -439,8 +507,12 @@ def _deepspeed_version() -> str:
     py = DEEPSPEED_VENV / "bin" / "python"
     if not py.exists():
         return "not installed"
-    out = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [str(py), "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return out.stdout.strip() or "unknown"
 
 
@@ -465,12 +537,21 @@ def main(argv: list[str] | None = None) -> None:
     io_bytes, io_note = io_size(a.io_bytes, 5, io_dir)
     threads = torch.get_num_threads()
     res: dict[str, Any] = {
-        "torch": torch.__version__, "deepspeed": _deepspeed_version(), "fio": shutil.which("fio") and subprocess.run(
-            ["fio", "--version"], capture_output=True, text=True).stdout.strip(),
-        "threads": threads, "rounds": a.repeats, "io_rounds": a.io_rounds,
-        "isa": _ext.build_info().get("isa", "not built"), "adam_params": n, "io_bytes": io_bytes,
-        "io_note": io_note, "io_free_bytes_before": shutil.disk_usage(io_dir).free, "loadavg": {"start": _loadavg()},
-        "memcpy": bench_memcpy(min(4 * n, 1 << 30), a.repeats)}
+        "torch": torch.__version__,
+        "deepspeed": _deepspeed_version(),
+        "fio": shutil.which("fio")
+        and subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
+        "threads": threads,
+        "rounds": a.repeats,
+        "io_rounds": a.io_rounds,
+        "isa": _ext.build_info().get("isa", "not built"),
+        "adam_params": n,
+        "io_bytes": io_bytes,
+        "io_note": io_note,
+        "io_free_bytes_before": shutil.disk_usage(io_dir).free,
+        "loadavg": {"start": _loadavg()},
+        "memcpy": bench_memcpy(min(4 * n, 1 << 30), a.repeats),
+    }
     ds = DeepSpeedWorker(threads, enabled=not a.no_deepspeed)
     try:
         res["adam"] = bench_adam(n, a.repeats, ds)

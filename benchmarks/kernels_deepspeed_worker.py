@@ -99,8 +99,7 @@ class _Server:
             self.adam_step()
             return {"seconds": time.perf_counter() - t0}
         if op == "aio_setup":
-            return self.aio_setup(int(req["nbytes"]), str(req["path"]), int(req["block_size"]),
-                                  int(req["queue_depth"]))
+            return self.aio_setup(int(req["nbytes"]), str(req["path"]), int(req["block_size"]), int(req["queue_depth"]))
         if op == "aio":
             return self.aio(str(req["rw"]))
         if op == "quit":

@@ -49,12 +49,36 @@ def run_variant(variant: str, args: argparse.Namespace, scratch: Path) -> dict[s
     for rank in range(args.world):
         out = scratch / f"{variant}_rank{rank}.json"
         log = open(scratch / f"{variant}_rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world), NODE_RANK="0",
-                   LOCAL_WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        cmd = [python, str(BENCH / "_memory_worker.py"), "--variant", variant, "--width", str(args.width),
-               "--depth", str(args.depth), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
-               "--out", str(out), "--swap-dir", str(scratch)]
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(args.world),
+            NODE_RANK="0",
+            LOCAL_WORLD_SIZE=str(args.world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPO),
+        )
+        cmd = [
+            python,
+            str(BENCH / "_memory_worker.py"),
+            "--variant",
+            variant,
+            "--width",
+            str(args.width),
+            "--depth",
+            str(args.depth),
+            "--micro-batch",
+            str(args.micro_batch),
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out),
+            "--swap-dir",
+            str(scratch),
+        ]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
         outs.append(out)
     for proc, log in procs:
@@ -113,15 +137,21 @@ def main() -> int:
             continue
         bpp = row["bytes_per_param"]
         ratio = f"{row['median_step_s'] / ddp_time:.2f}" if ddp_time else "—"
-        lines.append(f"| {variant} | " + " | ".join(f"{bpp[k]:.2f}" for k in marks)
-                     + f" | {row['median_step_s']:.3f} | {ratio} |")
+        lines.append(
+            f"| {variant} | "
+            + " | ".join(f"{bpp[k]:.2f}" for k in marks)
+            + f" | {row['median_step_s']:.3f} | {ratio} |"
+        )
     table = "\n".join(lines)
     print("\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.platform(),
-        "load_average": os.getloadavg(), "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
-        "numel": numel, "results": rows,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "load_average": os.getloadavg(),
+        "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "numel": numel,
+        "results": rows,
     }
     (args.out_dir / "memory.json").write_text(json.dumps(record, indent=2, default=str))
     (args.out_dir / "memory.md").write_text(table + "\n")

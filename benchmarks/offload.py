@@ -65,9 +65,14 @@ from _bench_common import REPO_ROOT, BenchConfig, build_model, make_batches  # n
 GPT_VARIANTS = ("zero3", "nvme_opt", "nvme_opt_sib", "nvme_opt_params", "nvme_opt_params_sib", "cpu_opt")
 MLP_VARIANTS = ("mlp_zero3", "mlp_nvme_opt", "mlp_nvme_opt_sib")
 DS_VARIANTS = ("ds_zero3", "ds_nvme_opt", "ds_mlp_zero3", "ds_mlp_nvme_opt")
-BASELINE = {"ds_zero3": "ds_zero3", "ds_nvme_opt": "ds_zero3", "ds_mlp_zero3": "ds_mlp_zero3",
-            "ds_mlp_nvme_opt": "ds_mlp_zero3", **{v: "zero3" for v in GPT_VARIANTS},
-            **{v: "mlp_zero3" for v in MLP_VARIANTS}}
+BASELINE = {
+    "ds_zero3": "ds_zero3",
+    "ds_nvme_opt": "ds_zero3",
+    "ds_mlp_zero3": "ds_mlp_zero3",
+    "ds_mlp_nvme_opt": "ds_mlp_zero3",
+    **{v: "zero3" for v in GPT_VARIANTS},
+    **{v: "mlp_zero3" for v in MLP_VARIANTS},
+}
 """Each variant's in-memory baseline: the same library's ZeRO-3 on the same model."""
 MLP_BATCH = 2
 MLP_DEPTH = 4
@@ -83,7 +88,10 @@ def _policy(variant: str, swap: str, buffer_elems: int) -> dict[str, Any]:
     if variant.endswith("nvme_opt"):
         return {"offload_optimizer": opt}
     if variant == "nvme_opt_params":
-        return {"offload_optimizer": opt, "offload_params": NVMeOffload(path=swap, buffer_size=8 * buffer_elems, buffer_count=3)}
+        return {
+            "offload_optimizer": opt,
+            "offload_params": NVMeOffload(path=swap, buffer_size=8 * buffer_elems, buffer_count=3),
+        }
     if variant == "cpu_opt":
         return {"offload_optimizer": CPUOffload()}
     return {}
@@ -141,7 +149,9 @@ def worker(variant: str, config: BenchConfig, swap: str, out: Path, mlp_width: i
         "optimizer_resident_bytes": zero.memory_report().optimizer_bytes,
         "params": sum(zp.numel for zp in zero.state.params),
         "uses_kernel_adam": bool(getattr(zero.optimizer, "uses_kernel", False)),
-        "io_engine": type(zero.state.offload.swappers()[0].reader).__name__ if zero.state.offload and zero.state.offload.swappers() else None,
+        "io_engine": type(zero.state.offload.swappers()[0].reader).__name__
+        if zero.state.offload and zero.state.offload.swappers()
+        else None,
         "swap_last_step": swapped[-1] if swapped else None,
     }
     zero.close()
@@ -153,12 +163,23 @@ class _DeepSpeedAIO:
     """DeepSpeed's ``aio_handle`` behind ``kernels_deepspeed_worker.py`` (one JSON request/reply per line)."""
 
     def __init__(self, threads: int) -> None:
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-               "TORCH_EXTENSIONS_DIR": str(DS_VENV / "torch_extensions")}
+        env = {
+            **os.environ,
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+            "TORCH_EXTENSIONS_DIR": str(DS_VENV / "torch_extensions"),
+        }
         env.pop("VIRTUAL_ENV", None)
-        self.proc = subprocess.Popen([str(DS_VENV / "bin" / "python"), str(BENCH_DIR / "kernels_deepspeed_worker.py")],
-                                     cwd=BENCH_DIR, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [str(DS_VENV / "bin" / "python"), str(BENCH_DIR / "kernels_deepspeed_worker.py")],
+            cwd=BENCH_DIR,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
 
     def request(self, req: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
         import select
@@ -189,11 +210,24 @@ class _DeepSpeedAIO:
 
 def _fio(path: Path, nbytes: int, block: int, depth: int, direct: bool, rw: str) -> float:
     res = subprocess.run(
-        ["fio", "--name=zl", f"--filename={path}", f"--rw={rw}", f"--bs={block}", f"--size={nbytes}",
-         f"--iodepth={depth}", "--ioengine=libaio", f"--direct={int(direct)}", "--numjobs=1", "--output-format=json"],
-        capture_output=True, text=True, check=True,
+        [
+            "fio",
+            "--name=zl",
+            f"--filename={path}",
+            f"--rw={rw}",
+            f"--bs={block}",
+            f"--size={nbytes}",
+            f"--iodepth={depth}",
+            "--ioengine=libaio",
+            f"--direct={int(direct)}",
+            "--numjobs=1",
+            "--output-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0][rw]
+    job = json.loads(res.stdout[res.stdout.index("{") :])["jobs"][0][rw]
     return nbytes / job["bw_bytes"]
 
 
@@ -211,7 +245,9 @@ def swap_throughput(swap: str, nbytes: int, block: int, depth: int, rounds: int,
     folder = SwapDirectory(root, "bench", 0)
     folder.open("remove")
     swapper = Swapper(policy, folder, direct, pin=False, nbytes=nbytes // 4)
-    tensors = [SwapTensor(f"t{i}", folder.file("bw.swp"), i * (nbytes // 4), nbytes // 16, torch.float32) for i in range(4)]
+    tensors = [
+        SwapTensor(f"t{i}", folder.file("bw.swp"), i * (nbytes // 4), nbytes // 16, torch.float32) for i in range(4)
+    ]
     for t in tensors:
         swapper.stage(t, torch.randn(t.numel))
 
@@ -236,11 +272,20 @@ def swap_throughput(swap: str, nbytes: int, block: int, depth: int, rounds: int,
         if status == "ok":
             ds = _DeepSpeedAIO(1)
             try:
-                setup = ds.request({"op": "aio_setup", "nbytes": nbytes, "path": str(root / f"ds-{os.getpid()}.bin"),
-                                    "block_size": block, "queue_depth": depth})
+                setup = ds.request(
+                    {
+                        "op": "aio_setup",
+                        "nbytes": nbytes,
+                        "path": str(root / f"ds-{os.getpid()}.bin"),
+                        "block_size": block,
+                        "queue_depth": depth,
+                    }
+                )
                 calls["deepspeed_aio"] = lambda rw: float(ds.request({"op": "aio", "rw": rw})["seconds"])
-                rows["deepspeed_aio"] = {"engine": "DeepSpeed aio_handle (libaio), locked buffer",
-                                         "locked": setup.get("locked")}
+                rows["deepspeed_aio"] = {
+                    "engine": "DeepSpeed aio_handle (libaio), locked buffer",
+                    "locked": setup.get("locked"),
+                }
             except RuntimeError as err:
                 rows["deepspeed_aio"] = {"status": f"unavailable: {err}"[:300]}
         else:
@@ -276,8 +321,20 @@ def _run(variant: str, config: BenchConfig, swap: str, mlp_width: int, timeout: 
         from zlightning.testing import find_free_port
 
         env = {**os.environ, "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": str(config.threads)}
-        cmd = [sys.executable, __file__, "--worker", variant, "--config", config.to_json(), "--swap-dir", swap,
-               "--out", str(out), "--mlp-width", str(mlp_width)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            variant,
+            "--config",
+            config.to_json(),
+            "--swap-dir",
+            swap,
+            "--out",
+            str(out),
+            "--mlp-width",
+            str(mlp_width),
+        ]
         try:
             proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -293,21 +350,45 @@ def _run_deepspeed(variant: str, config: BenchConfig, swap: str, mlp_width: int,
         out = Path(tmp) / "r.json"
         from zlightning.testing import find_free_port
 
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "RANK": "0",
-               "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": str(config.threads),
-               "TORCH_EXTENSIONS_DIR": str(BENCH_DIR / ".venv-deepspeed" / "torch_extensions")}
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(find_free_port()),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "OMP_NUM_THREADS": str(config.threads),
+            "TORCH_EXTENSIONS_DIR": str(BENCH_DIR / ".venv-deepspeed" / "torch_extensions"),
+        }
         env.pop("VIRTUAL_ENV", None)
-        cmd = [str(python), str(BENCH_DIR / "offload_deepspeed_worker.py"), variant, config.to_json(), swap, str(out),
-               str(mlp_width)]
+        cmd = [
+            str(python),
+            str(BENCH_DIR / "offload_deepspeed_worker.py"),
+            variant,
+            config.to_json(),
+            swap,
+            str(out),
+            str(mlp_width),
+        ]
         try:
             proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"variant": variant, "status": f"timed out after {timeout:.0f} s (includes DeepSpeed's JIT op builds)"}
+            return {
+                "variant": variant,
+                "status": f"timed out after {timeout:.0f} s (includes DeepSpeed's JIT op builds)",
+            }
         if proc.returncode != 0 or not out.exists():
             return {"variant": variant, "status": f"failed: {(proc.stderr or proc.stdout)[-600:]}"}
-        return {**json.loads(out.read_text()), "status": "ok", "optimizer_resident_bytes": None,
-                "uses_kernel_adam": variant.endswith("nvme_opt"), "io_engine": "deepspeed aio" if "nvme" in variant else None,
-                "params": None, "swap_last_step": None}
+        return {
+            **json.loads(out.read_text()),
+            "status": "ok",
+            "optimizer_resident_bytes": None,
+            "uses_kernel_adam": variant.endswith("nvme_opt"),
+            "io_engine": "deepspeed aio" if "nvme" in variant else None,
+            "params": None,
+            "swap_last_step": None,
+        }
 
 
 def _deepspeed_status() -> str:
@@ -324,8 +405,15 @@ def _deepspeed_status() -> str:
 
 def _order(run_ds: bool) -> list[list[str]]:
     """The variants of each model, ours and DeepSpeed's side by side (one block per model)."""
-    gpt = ["zero3", "nvme_opt", "nvme_opt_sib", *(["ds_zero3", "ds_nvme_opt"] if run_ds else []), "nvme_opt_params",
-           "nvme_opt_params_sib", "cpu_opt"]
+    gpt = [
+        "zero3",
+        "nvme_opt",
+        "nvme_opt_sib",
+        *(["ds_zero3", "ds_nvme_opt"] if run_ds else []),
+        "nvme_opt_params",
+        "nvme_opt_params_sib",
+        "cpu_opt",
+    ]
     mlp = ["mlp_zero3", "mlp_nvme_opt", "mlp_nvme_opt_sib", *(["ds_mlp_zero3", "ds_mlp_nvme_opt"] if run_ds else [])]
     return [gpt, mlp]
 
@@ -337,8 +425,14 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not ok:
         return {**runs[-1], "runs": runs}
     out = {k: v for k, v in ok[-1].items() if k not in ("step_s", "steps_s")}
-    out.update(status="ok", step_s=statistics.median(r["step_s"] for r in ok), runs_step_s=[r["step_s"] for r in ok],
-               runs_loadavg=[r.get("loadavg") for r in ok], runs_ok=len(ok), runs=len(runs))
+    out.update(
+        status="ok",
+        step_s=statistics.median(r["step_s"] for r in ok),
+        runs_step_s=[r["step_s"] for r in ok],
+        runs_loadavg=[r.get("loadavg") for r in ok],
+        runs_ok=len(ok),
+        runs=len(runs),
+    )
     return out
 
 
@@ -350,14 +444,22 @@ def _paired_ratios(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, flo
         if base is None or base == v or base not in runs:
             continue
         by_rep = {r["repetition"]: r["step_s"] for r in runs[base] if r.get("status") == "ok"}
-        paired = [r["step_s"] / by_rep[r["repetition"]] for r in rs if r.get("status") == "ok" and r["repetition"] in by_rep]
+        paired = [
+            r["step_s"] / by_rep[r["repetition"]] for r in rs if r.get("status") == "ok" and r["repetition"] in by_rep
+        ]
         if paired:
             medians[v], lists[v] = statistics.median(paired), paired
     return medians, lists
 
 
-TARGETS = {"nvme_opt": 1.03, "nvme_opt_sib": 1.03, "nvme_opt_params": 1.10, "nvme_opt_params_sib": 1.10,
-           "mlp_nvme_opt": 1.15, "mlp_nvme_opt_sib": 1.15}
+TARGETS = {
+    "nvme_opt": 1.03,
+    "nvme_opt_sib": 1.03,
+    "nvme_opt_params": 1.10,
+    "nvme_opt_params_sib": 1.10,
+    "mlp_nvme_opt": 1.15,
+    "mlp_nvme_opt_sib": 1.15,
+}
 """The issue's targets: NVMe step / our in-memory step."""
 
 
@@ -370,17 +472,22 @@ def _verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
     out = {}
     for v, goal in TARGETS.items():
-        out[f"{v}_ratio"] = row(ratios.get(v), f"<= {goal} x our in-memory step",
-                                None if ratios.get(v) is None else ratios[v] <= goal)
+        out[f"{v}_ratio"] = row(
+            ratios.get(v), f"<= {goal} x our in-memory step", None if ratios.get(v) is None else ratios[v] <= goal
+        )
     ours, theirs = res.get("nvme_opt", {}).get("step_s"), res.get("ds_nvme_opt", {}).get("step_s")
-    out["nvme_opt_step_vs_deepspeed_nvme"] = row(ours / theirs if ours and theirs else None,
-                                                 "< 1 (faster than DeepSpeed's NVMe offload step)",
-                                                 None if not (ours and theirs) else ours < theirs)
+    out["nvme_opt_step_vs_deepspeed_nvme"] = row(
+        ours / theirs if ours and theirs else None,
+        "< 1 (faster than DeepSpeed's NVMe offload step)",
+        None if not (ours and theirs) else ours < theirs,
+    )
     for ours_v, ds_v in (("nvme_opt", "ds_nvme_opt"), ("mlp_nvme_opt", "ds_mlp_nvme_opt")):
         a, b = ratios.get(ours_v), ratios.get(ds_v)
         out[f"{ours_v}_ratio_vs_deepspeed_ratio"] = row(
-            a / b if a and b else None, f"< 1 (our {ours_v} / in-memory beats DeepSpeed's {ds_v} / in-memory)",
-            None if not (a and b) else a < b)
+            a / b if a and b else None,
+            f"< 1 (our {ours_v} / in-memory beats DeepSpeed's {ds_v} / in-memory)",
+            None if not (a and b) else a < b,
+        )
     for rw in ("write", "read"):
         mine = tp["ours"].get(f"{rw}_MBps")
         for peer, target in (("deepspeed_aio", ">= 1 (issue's target)"), ("fio", "reference")):
@@ -400,11 +507,18 @@ def main() -> None:
     parser.add_argument("--mlp-width", type=int, default=2048)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--rounds", type=int, default=5, help="swap-throughput rounds per contender (after warm-up)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="runs of every variant, interleaved (see [Note: interleaved repeats of the offload variants])")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="runs of every variant, interleaved (see [Note: interleaved repeats of the offload variants])",
+    )
     parser.add_argument("--only", nargs="+", default=None, help="run only these variants (and their baselines)")
-    parser.add_argument("--deepspeed", action="store_true",
-                        help="also run DeepSpeed ZeRO-3 (in-memory and NVMe, GPT and MLP) and its aio")
+    parser.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="also run DeepSpeed ZeRO-3 (in-memory and NVMe, GPT and MLP) and its aio",
+    )
     parser.add_argument("--stem", default=None, help="results file name (default offload, or offload_quick)")
     args = parser.parse_args()
     if args.worker:
@@ -429,23 +543,38 @@ def main() -> None:
                 r = runner(v, config, swap, args.mlp_width, args.timeout)
                 r.update(repetition=rep_i, loadavg=load)
                 runs[v].append(r)
-                print(f"[{rep_i + 1}/{repeats}] {v}: {r.get('step_s', r['status'])} ({time.perf_counter() - t0:.0f} s, "
-                      f"load {load[0]:.1f})", flush=True)
+                print(
+                    f"[{rep_i + 1}/{repeats}] {v}: {r.get('step_s', r['status'])} ({time.perf_counter() - t0:.0f} s, "
+                    f"load {load[0]:.1f})",
+                    flush=True,
+                )
     results = {v: _aggregate(rs) for v, rs in runs.items()}
     ratios, ratio_runs = _paired_ratios(runs)
-    throughput = swap_throughput(swap, 256 * 2**20 if not args.quick else 64 * 2**20, 1 << 20, 8,
-                                 2 if args.quick else args.rounds, run_ds)
+    throughput = swap_throughput(
+        swap, 256 * 2**20 if not args.quick else 64 * 2**20, 1 << 20, 8, 2 if args.quick else args.rounds, run_ds
+    )
     loads = [r["loadavg"][0] for rs in runs.values() for r in rs]
     report = {
-        "config": json.loads(config.to_json()), "mlp_width": args.mlp_width, "mlp_batch": MLP_BATCH, "swap_dir": swap,
+        "config": json.loads(config.to_json()),
+        "mlp_width": args.mlp_width,
+        "mlp_batch": MLP_BATCH,
+        "swap_dir": swap,
         "in_memory_optimizer": "torch.optim.AdamW (foreach); offload variants use a CPU Adam kernel",
-        "repeats": repeats, "run_order": [v for b in blocks for v in b], "results": results,
-        "ratios_to_in_memory": ratios, "ratios_per_repetition": ratio_runs, "swap_throughput": throughput,
+        "repeats": repeats,
+        "run_order": [v for b in blocks for v in b],
+        "results": results,
+        "ratios_to_in_memory": ratios,
+        "ratios_per_repetition": ratio_runs,
+        "swap_throughput": throughput,
         "deepspeed": ds_status if args.deepspeed or ds_status != "ok" else "not run (pass --deepspeed)",
         "deepspeed_reference_from_issue": {"nvme_opt": 1.095},
-        "cpu_count": os.cpu_count(), "loadavg": list(os.getloadavg()),
-        "loadavg_at_run_starts": {"min": min(loads, default=None), "max": max(loads, default=None),
-                                  "median": statistics.median(loads) if loads else None},
+        "cpu_count": os.cpu_count(),
+        "loadavg": list(os.getloadavg()),
+        "loadavg_at_run_starts": {
+            "min": min(loads, default=None),
+            "max": max(loads, default=None),
+            "median": statistics.median(loads) if loads else None,
+        },
     }
     report["targets"] = _verdicts(report)
     shutil.rmtree(swap, ignore_errors=True) if args.swap_dir is None else None
@@ -470,16 +599,19 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 def _markdown(r: dict[str, Any]) -> str:
     load = r["loadavg_at_run_starts"]
     lines = [
-        "# ZeRO-Infinity offload benchmark (CPU, 1 rank, 1 thread, gloo)", "",
+        "# ZeRO-Infinity offload benchmark (CPU, 1 rank, 1 thread, gloo)",
+        "",
         f"GPT: d_model {r['config']['d_model']}, {r['config']['n_layer']} layers, seq {r['config']['seq_len']}, "
         f"micro-batch {r['config']['micro_batch']}; MLP: width {r['mlp_width']}, {MLP_DEPTH} layers, batch "
         f"{r['mlp_batch']}. In-memory baselines step with torch AdamW (foreach); offload variants with a CPU Adam "
-        "kernel (ours / DeepSpeedCPUAdam).", "",
+        "kernel (ours / DeepSpeedCPUAdam).",
+        "",
         f"Every variant ran {r['repeats']} times, interleaved with the others of its model (ours and DeepSpeed's "
         f"together); step time = median of the runs' medians ({r['config']['timed_steps']} timed steps each after "
         f"{r['config']['warmup_steps']} warm-up); ratio = median over repetitions of the run / the same library's "
         f"in-memory run of that repetition. Load average (1 min) at run starts: {_fmt(load['min'], '.1f')} to "
-        f"{_fmt(load['max'], '.1f')} (median {_fmt(load['median'], '.1f')}) on {r['cpu_count']} cores.", "",
+        f"{_fmt(load['max'], '.1f')} (median {_fmt(load['median'], '.1f')}) on {r['cpu_count']} cores.",
+        "",
         "| variant | median step (s) | / in-memory (paired, median) | per-repetition ratios | runs' medians (s) "
         "| resident optimizer MB | kernel Adam | I/O engine |",
         "|---|---|---|---|---|---|---|---|",
@@ -498,21 +630,29 @@ def _markdown(r: dict[str, Any]) -> str:
         )
     tp = r["swap_throughput"]
     lines += [
-        "", f"Swap throughput: {tp['bytes'] / 2**20:.0f} MiB, block {tp['block_size'] // 1024} KiB, queue depth "
-        f"{tp['queue_depth']}, median of {tp['rounds']} rotated rounds after a warm-up.", "",
-        "| contender | write MB/s | read MB/s | write rounds | read rounds | engine |", "|---|---|---|---|---|---|",
+        "",
+        f"Swap throughput: {tp['bytes'] / 2**20:.0f} MiB, block {tp['block_size'] // 1024} KiB, queue depth "
+        f"{tp['queue_depth']}, median of {tp['rounds']} rotated rounds after a warm-up.",
+        "",
+        "| contender | write MB/s | read MB/s | write rounds | read rounds | engine |",
+        "|---|---|---|---|---|---|",
     ]
     for name, row in tp["rows"].items():
         if row.get("status") != "ok":
             lines.append(f"| {name} | {row.get('status')} | | | | |")
             continue
-        lines.append(f"| {name} | {row['write_MBps']:.0f} | {row['read_MBps']:.0f} | "
-                     f"{', '.join(f'{x:.0f}' for x in row['write_MBps_rounds'])} | "
-                     f"{', '.join(f'{x:.0f}' for x in row['read_MBps_rounds'])} | {row['engine']} |")
+        lines.append(
+            f"| {name} | {row['write_MBps']:.0f} | {row['read_MBps']:.0f} | "
+            f"{', '.join(f'{x:.0f}' for x in row['write_MBps_rounds'])} | "
+            f"{', '.join(f'{x:.0f}' for x in row['read_MBps_rounds'])} | {row['engine']} |"
+        )
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for name, t in r["targets"].items():
-        met = "n/a" if t["met"] is None and "reference" in t["target"] else ("not run" if t["met"] is None else
-                                                                            "yes" if t["met"] else "**no**")
+        met = (
+            "n/a"
+            if t["met"] is None and "reference" in t["target"]
+            else ("not run" if t["met"] is None else "yes" if t["met"] else "**no**")
+        )
         lines.append(f"| {name} | {_fmt(t['value'])} | {t['target']} | {met} |")
     lines += ["", f"DeepSpeed peer: {r['deepspeed']}.", ""]
     return "\n".join(lines)

@@ -19,7 +19,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from _bench_common import BenchConfig, build_model, make_batches  # noqa: E402
 from _deepspeed_worker import deepspeed_config  # noqa: E402
 from offload import MLP_BATCH, mlp_batches, mlp_model  # noqa: E402
@@ -42,10 +41,19 @@ def main() -> None:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         ds["zero_optimization"]["offload_optimizer"] = {
-            "device": "nvme", "nvme_path": swap, "pipeline_read": True, "pipeline_write": True, "buffer_count": 4,
+            "device": "nvme",
+            "nvme_path": swap,
+            "pipeline_read": True,
+            "pipeline_write": True,
+            "buffer_count": 4,
         }
-        ds["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
-                     "overlap_events": True}
+        ds["aio"] = {
+            "block_size": 1 << 20,
+            "queue_depth": 8,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        }
         ds["zero_force_ds_cpu_optimizer"] = True
         optimizer = DeepSpeedCPUAdam(model.parameters(), lr=config.lr)
     else:
@@ -53,14 +61,22 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     torch.set_num_threads(config.threads)
     ends = []
-    for x, y in (mlp_batches(mlp_width, config.total_steps) if mlp else make_batches(config, 0)):
+    for x, y in mlp_batches(mlp_width, config.total_steps) if mlp else make_batches(config, 0):
         loss = engine(x).square().mean() if y is None else engine(x, y)[1]
         engine.backward(loss)
         engine.step()
         ends.append(time.perf_counter())
     timed = [b - a for a, b in zip(ends[config.warmup_steps - 1 :], ends[config.warmup_steps :])]
-    out.write_text(json.dumps({"variant": variant, "step_s": statistics.median(timed), "steps_s": timed,
-                               "deepspeed": deepspeed.__version__}))
+    out.write_text(
+        json.dumps(
+            {
+                "variant": variant,
+                "step_s": statistics.median(timed),
+                "steps_s": timed,
+                "deepspeed": deepspeed.__version__,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

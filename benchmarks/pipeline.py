@@ -87,7 +87,9 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _module(args: argparse.Namespace, pp: int) -> PipelineModule:
     cfg = GPTConfig(d_model=args.d_model, n_head=args.heads, seq_len=args.seq, n_layer=args.layers)
-    return PipelineModule([LayerSpec(Block, cfg) for _ in range(args.layers)], loss_fn=_mse, num_stages=pp, partition_method="uniform")
+    return PipelineModule(
+        [LayerSpec(Block, cfg) for _ in range(args.layers)], loss_fn=_mse, num_stages=pp, partition_method="uniform"
+    )
 
 
 class _ActivationMeter:
@@ -161,7 +163,9 @@ def _median_spans(step_spans: list[list[tuple[str, float, float]]]) -> list[list
             act = Action.parse(a)
             durations.setdefault((act.stage, act.kind), []).append(e - s)
     median = {k: statistics.median(v) for k, v in durations.items()}
-    return [[(a, 0.0, median[(Action.parse(a).stage, Action.parse(a).kind)]) for a, _, _ in spans] for spans in step_spans]
+    return [
+        [(a, 0.0, median[(Action.parse(a).stage, Action.parse(a).kind)]) for a, _, _ in spans] for spans in step_spans
+    ]
 
 
 def _replay_bubble(step_spans: list[list[tuple[str, float, float]]]) -> float:
@@ -196,7 +200,9 @@ def _replay_bubble(step_spans: list[list[tuple[str, float, float]]]) -> float:
 
 def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) -> dict[str, Any]:
     module = _module(args, pp)
-    engine = PipelineEngine(module, lambda ps: torch.optim.SGD(ps, lr=1e-3), PipelineConfig(micro_batches=m, schedule=schedule))
+    engine = PipelineEngine(
+        module, lambda ps: torch.optim.SGD(ps, lr=1e-3), PipelineConfig(micro_batches=m, schedule=schedule)
+    )
     times, bubbles, replays, medians = [], [], [], []
     batches = _data(args, m, args.warmup + args.steps + 1)
     x, y = batches.pop()
@@ -229,7 +235,11 @@ def _per_rank(value: float) -> list[float]:
     return out
 
 
-_TORCH_MULTI = {"interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+_TORCH_MULTI = {
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 """torch.pipelining schedules with two stages per rank (``--variants torch:<key>``)."""
 
 
@@ -285,8 +295,13 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
                 runs.setdefault((variant, m), []).append(run(args, world, m, schedule))
     rows = []
     for (variant, m), outs in runs.items():
-        row: dict[str, Any] = {"variant": variant, "m": m, "step_s": statistics.median(o["step_s"] for o in outs),
-                               "runs_step_s": [o["step_s"] for o in outs], "peak_act_mib": outs[0]["peak_act_mib"]}
+        row: dict[str, Any] = {
+            "variant": variant,
+            "m": m,
+            "step_s": statistics.median(o["step_s"] for o in outs),
+            "runs_step_s": [o["step_s"] for o in outs],
+            "peak_act_mib": outs[0]["peak_act_mib"],
+        }
         for key in ("bubble", "replay_bubble", "median_replay_bubble"):
             if key in outs[0]:
                 row[key] = statistics.median(o[key] for o in outs)
@@ -312,7 +327,10 @@ def _compare(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, An
     """Throughput of ``a`` over ``b``: ratio of the median step times, and per repetition."""
     if a is None or b is None:
         return None
-    return {"ratio": b["step_s"] / a["step_s"], "per_repetition": [y / x for x, y in zip(a["runs_step_s"], b["runs_step_s"])]}
+    return {
+        "ratio": b["step_s"] / a["step_s"],
+        "per_repetition": [y / x for x, y in zip(a["runs_step_s"], b["runs_step_s"])],
+    }
 
 
 def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -330,7 +348,14 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         for sched in ("1f1b", "gpipe"):
             c = _compare(_find(table, f"zlightning:{sched}", m), _find(table, f"torch:{sched}", m))
             if c is not None:
-                ratios.append({"m": m, "schedule": sched, "throughput_ratio_vs_torch": c["ratio"], "per_repetition": c["per_repetition"]})
+                ratios.append(
+                    {
+                        "m": m,
+                        "schedule": sched,
+                        "throughput_ratio_vs_torch": c["ratio"],
+                        "per_repetition": c["per_repetition"],
+                    }
+                )
     zero_bubble = []
     for m in args.micro:
         ours = {k: _find(table, f"zlightning:{k}", m) for k in ("1f1b", "zb_h1", "zbv")}
@@ -351,7 +376,13 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         entry["1f1b_peak_act_mib"] = ours["1f1b"]["peak_act_mib"]
         zero_bubble.append(entry)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    return {"config": config, "load_average": list(os.getloadavg()), "rows": table, "ratios": ratios, "zero_bubble": zero_bubble}
+    return {
+        "config": config,
+        "load_average": list(os.getloadavg()),
+        "rows": table,
+        "ratios": ratios,
+        "zero_bubble": zero_bubble,
+    }
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -391,7 +422,11 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             f"{_fmt(r['replay_bubble'] / th if th else None, '.2f')} | {peaks} |"
         )
     if result["ratios"]:
-        lines += ["", "| m | schedule | zlightning / torch.pipelining throughput (ratio of medians) | per repetition |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| m | schedule | zlightning / torch.pipelining throughput (ratio of medians) | per repetition |",
+            "|---|---|---|---|",
+        ]
         lines += [
             f"| {x['m']} | {x['schedule']} | {x['throughput_ratio_vs_torch']:.3f} | {', '.join(f'{r:.2f}' for r in x['per_repetition'])} |"
             for x in result["ratios"]
@@ -411,7 +446,11 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                 if f"{name}_vs_1f1b" not in z:
                     continue
                 a, b = z[f"{name}_vs_1f1b"], z[f"{name}_vs_torch_best"]
-                vs_torch = f"{b['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in b['per_repetition'])}) ({z['torch_best_zero_bubble']})" if b else "n/a"
+                vs_torch = (
+                    f"{b['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in b['per_repetition'])}) ({z['torch_best_zero_bubble']})"
+                    if b
+                    else "n/a"
+                )
                 peaks = ", ".join(f"{x:.1f}" for x in z[f"{name}_peak_act_mib"])
                 ref = ", ".join(f"{x:.1f}" for x in z["1f1b_peak_act_mib"])
                 lines.append(
@@ -424,13 +463,27 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
 
 _NOTE_1F1B = " ".join(__doc__.split("[Note: the 1F1B bubble at m = 8]")[1].split())
 
-ZERO_BUBBLE_VARIANTS = ["zlightning:1f1b", "zlightning:zb_h1", "zlightning:zbv", "torch:1f1b", "torch:interleaved_zb", "torch:zbv", "torch:dualpipev"]
+ZERO_BUBBLE_VARIANTS = [
+    "zlightning:1f1b",
+    "zlightning:zb_h1",
+    "zlightning:zbv",
+    "torch:1f1b",
+    "torch:interleaved_zb",
+    "torch:zbv",
+    "torch:dualpipev",
+]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--micro", type=int, nargs="+", default=None, help="micro-batch counts (default 2 4 8; 4 8 16 with --zero-bubble)")
+    ap.add_argument(
+        "--micro",
+        type=int,
+        nargs="+",
+        default=None,
+        help="micro-batch counts (default 2 4 8; 4 8 16 with --zero-bubble)",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -442,14 +495,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of every variant, interleaved; medians reported")
     ap.add_argument("--zero-bubble", action="store_true", help=f"variants {' '.join(ZERO_BUBBLE_VARIANTS)}")
     ap.add_argument(
-        "--variants", nargs="+", default=None,
+        "--variants",
+        nargs="+",
+        default=None,
         help="impl:schedule; zlightning:{1f1b,gpipe,interleaved_1f1b,zb_h1,zbv}, torch:{1f1b,gpipe,interleaved_zb,zbv,dualpipev}",
     )
     ap.add_argument("--out", default="pipeline")
     args = ap.parse_args()
     if args.variants is None:
-        args.variants = ZERO_BUBBLE_VARIANTS if args.zero_bubble else [
-            "zlightning:1f1b", "torch:1f1b", "zlightning:gpipe", "torch:gpipe", "zlightning:interleaved_1f1b"]
+        args.variants = (
+            ZERO_BUBBLE_VARIANTS
+            if args.zero_bubble
+            else ["zlightning:1f1b", "torch:1f1b", "zlightning:gpipe", "torch:gpipe", "zlightning:interleaved_1f1b"]
+        )
     if args.micro is None:
         args.micro = [4, 8, 16] if args.zero_bubble else [2, 4, 8]
     rows = run_distributed(worker, args.ranks, args, timeout=3600, threads=args.threads)[0]

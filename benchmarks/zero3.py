@@ -152,8 +152,9 @@ def _run_variant_once(variant: str, config: BenchConfig, args: argparse.Namespac
     start = time.monotonic()
     cmd = worker_command(variant, args.deepspeed_python)
     if not Path(cmd[0]).exists():
-        return VariantOutcome(variant=variant, status=f"unavailable: {cmd[0]} not found; run {SETUP_SCRIPT}",
-                              wall_s=0.0)
+        return VariantOutcome(
+            variant=variant, status=f"unavailable: {cmd[0]} not found; run {SETUP_SCRIPT}", wall_s=0.0
+        )
     port = find_free_port()
     with tempfile.TemporaryDirectory(prefix=f"zero3_{variant}_") as tmp:
         out_dir = Path(tmp)
@@ -161,11 +162,16 @@ def _run_variant_once(variant: str, config: BenchConfig, args: argparse.Namespac
         for rank in range(config.world_size):
             log_path = args.out_dir / f"{args.stem}_{variant}_rank{rank}.log"
             with open(log_path, "wb") as log:
-                procs.append(subprocess.Popen(
-                    [*cmd, "--variant", variant, "--config", config.to_json(), "--out", str(out_dir)],
-                    cwd=REPO_ROOT, env=rank_environ(rank, config.world_size, port, config.threads),
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                ))
+                procs.append(
+                    subprocess.Popen(
+                        [*cmd, "--variant", variant, "--config", config.to_json(), "--out", str(out_dir)],
+                        cwd=REPO_ROOT,
+                        env=rank_environ(rank, config.world_size, port, config.threads),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         status = _wait_ranks(procs, args.timeout)
         ranks = [_read_rank(out_dir, rank) for rank in range(config.world_size)]
     errors = _rank_errors(ranks)
@@ -214,15 +220,17 @@ def machine_info() -> dict[str, Any]:
     }
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
-                                  if ln.startswith("model name")), None)
+        info["cpu_model"] = next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), None
+        )
         meminfo = Path("/proc/meminfo").read_text().split()
         info["mem_total_gib"] = round(int(meminfo[meminfo.index("MemTotal:") + 1]) / 2**20, 1)
     except (OSError, ValueError, StopIteration):
         pass
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                            text=True, check=True).stdout.strip()
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         info["git_commit"] = None
     return info
@@ -237,33 +245,43 @@ def summarize(outcomes: list[VariantOutcome], full: dict[str, int]) -> list[dict
         runs = [o for o in outcomes if o.variant == variant]
         ok = [o for o in runs if o.status == "ok"]
         entry: dict[str, Any] = {
-            "variant": variant, "status": "ok" if ok else runs[-1].status, "runs": len(runs), "runs_ok": len(ok),
-            "wall_s": round(sum(o.wall_s for o in runs), 2), "ranks": [],
-            "run_status": [o.status for o in runs], "run_loadavg": [o.loadavg for o in runs],
+            "variant": variant,
+            "status": "ok" if ok else runs[-1].status,
+            "runs": len(runs),
+            "runs_ok": len(ok),
+            "wall_s": round(sum(o.wall_s for o in runs), 2),
+            "ranks": [],
+            "run_status": [o.status for o in runs],
+            "run_loadavg": [o.loadavg for o in runs],
         }
         for rank in range(len(ok[0].ranks) if ok else 0):
             per_run = [statistics.median(o.ranks[rank]["step_times_s"]) for o in ok]
-            paired = [statistics.median(o.ranks[rank]["step_times_s"])
-                      / statistics.median(ddp_runs[o.repetition].ranks[rank]["step_times_s"])
-                      for o in ok if o.repetition in ddp_runs]
+            paired = [
+                statistics.median(o.ranks[rank]["step_times_s"])
+                / statistics.median(ddp_runs[o.repetition].ranks[rank]["step_times_s"])
+                for o in ok
+                if o.repetition in ddp_runs
+            ]
             r = ok[-1].ranks[rank]
             state = r["memory"]["model_state_bytes"]
-            entry["ranks"].append({
-                "rank": rank,
-                "median_step_s": statistics.median(per_run),
-                "runs_median_step_s": per_run,
-                "step_time_x_ddp": statistics.median(paired) if paired else None,
-                "runs_step_time_x_ddp": paired,
-                "model_state_bytes": state,
-                "model_state_fraction_of_full": state / full["model_state_bytes"],
-                "peak_rss_kib": max(o.ranks[rank]["peak_rss_kib"] for o in ok),
-                "rss_before_train_kib": r.get("rss_before_train_kib"),
-                "memory": r["memory"],
-                "step_times_s": r["step_times_s"],
-                "losses": r["losses"],
-                "threads": r.get("threads"),
-                "versions": r.get("versions"),
-            })
+            entry["ranks"].append(
+                {
+                    "rank": rank,
+                    "median_step_s": statistics.median(per_run),
+                    "runs_median_step_s": per_run,
+                    "step_time_x_ddp": statistics.median(paired) if paired else None,
+                    "runs_step_time_x_ddp": paired,
+                    "model_state_bytes": state,
+                    "model_state_fraction_of_full": state / full["model_state_bytes"],
+                    "peak_rss_kib": max(o.ranks[rank]["peak_rss_kib"] for o in ok),
+                    "rss_before_train_kib": r.get("rss_before_train_kib"),
+                    "memory": r["memory"],
+                    "step_times_s": r["step_times_s"],
+                    "losses": r["losses"],
+                    "threads": r.get("threads"),
+                    "versions": r.get("versions"),
+                }
+            )
         rows.append(entry)
     return rows
 
@@ -294,15 +312,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps; writes zero3_quick.*")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                        help="subset to run, in this order (default: all)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="subset to run, in this order (default: all)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run of a variant (default 900)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs of every variant, interleaved (default 3; see [Note: interleaved repeats])")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of every variant, interleaved (default 3; see [Note: interleaved repeats])",
+    )
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR / "results")
     parser.add_argument("--deepspeed-python", type=Path, default=DEEPSPEED_VENV / "bin" / "python")
-    parser.add_argument("--skip-deepspeed-setup", action="store_true",
-                        help=f"do not run {SETUP_SCRIPT.name} when the DeepSpeed venv is missing")
+    parser.add_argument(
+        "--skip-deepspeed-setup",
+        action="store_true",
+        help=f"do not run {SETUP_SCRIPT.name} when the DeepSpeed venv is missing",
+    )
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.steps, args.repeats = 1, 2, 1
@@ -326,9 +356,12 @@ def main() -> int:
     for repetition in range(args.repeats):  # see [Note: interleaved repeats]
         shift = repetition % len(args.variants)
         for variant in args.variants[shift:] + args.variants[:shift]:
-            print(f">> [{repetition + 1}/{args.repeats}] {variant}: {config.world_size} ranks, {config.warmup_steps} "
-                  f"warm-up + {config.timed_steps} timed steps (timeout {args.timeout:.0f} s), load "
-                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            print(
+                f">> [{repetition + 1}/{args.repeats}] {variant}: {config.world_size} ranks, {config.warmup_steps} "
+                f"warm-up + {config.timed_steps} timed steps (timeout {args.timeout:.0f} s), load "
+                f"{os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
             outcome = run_variant(variant, config, args)
             outcome.repetition = repetition
             print(f">> {variant}: {outcome.status} ({outcome.wall_s:.1f} s)", flush=True)
@@ -344,11 +377,10 @@ def main() -> int:
         "repeats": args.repeats,
         "definitions": {
             "median_step_s": "median over the variant's runs of each run's median wall time between consecutive "
-                             "optimizer-step ends over the timed steps (runs interleaved with the other variants)",
-            "step_time_x_ddp": "median over repetitions of (this run's median step / DDP's run in the same "
-                               "repetition)",
+            "optimizer-step ends over the timed steps (runs interleaved with the other variants)",
+            "step_time_x_ddp": "median over repetitions of (this run's median step / DDP's run in the same repetition)",
             "model_state_bytes": "params + grads + optimizer state resident on the rank after the last step, "
-                                 "distinct storages (see benchmarks/_bench_common.py)",
+            "distinct storages (see benchmarks/_bench_common.py)",
             "model_state_fraction_of_full": "model_state_bytes / (4 x unsharded fp32 param bytes)",
             "peak_rss_kib": "ru_maxrss of the rank process (KiB)",
         },
@@ -357,13 +389,15 @@ def main() -> int:
     (args.out_dir / f"{args.stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown_table(rows)
     loads = [o.loadavg[0] for o in outcomes if o.loadavg]
-    header = (f"# ZeRO-3 benchmark ({config.world_size} CPU ranks, gloo, {config.threads} thread each; "
-              f"{config.warmup_steps} warm-up + {config.timed_steps} timed steps; every variant {args.repeats} "
-              f"times, interleaved: medians of the runs)\n\n"
-              f"Load average (1 min) when runs started: {min(loads, default=0):.1f} to {max(loads, default=0):.1f}."
-              " Ratios to DDP are medians of per-repetition ratios.\n\n"
-              f"Full fp32 model state (params + grads + 2 AdamW moments): {full['model_state_bytes'] / MB:.1f} MB "
-              f"({full['params']:,} parameters). MB = 10^6 bytes.\n\n")
+    header = (
+        f"# ZeRO-3 benchmark ({config.world_size} CPU ranks, gloo, {config.threads} thread each; "
+        f"{config.warmup_steps} warm-up + {config.timed_steps} timed steps; every variant {args.repeats} "
+        f"times, interleaved: medians of the runs)\n\n"
+        f"Load average (1 min) when runs started: {min(loads, default=0):.1f} to {max(loads, default=0):.1f}."
+        " Ratios to DDP are medians of per-repetition ratios.\n\n"
+        f"Full fp32 model state (params + grads + 2 AdamW moments): {full['model_state_bytes'] / MB:.1f} MB "
+        f"({full['params']:,} parameters). MB = 10^6 bytes.\n\n"
+    )
     (args.out_dir / f"{args.stem}.md").write_text(header + table)
     from _plots import write_png  # matplotlib is optional: without it, one line says no chart was drawn
 

@@ -29,6 +29,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Names kept for compatibility (see the module docs); the `X as X` form marks them as deliberate re-exports.
+from zlightning.parallel import CPShard as CPShard
+from zlightning.parallel import HybridCPGroups as HybridCPGroups
+from zlightning.parallel import cp_attention as cp_attention
+from zlightning.parallel import cp_causal_attention as cp_causal_attention
+
 from .curriculum import (
     CurriculumDataModule,
     CurriculumScheduler,
@@ -37,15 +43,6 @@ from .curriculum import (
     DeepSpeedDataSampler,
     DistributedDataAnalyzer,
 )
-from .hybrid_cp import BalancedCPScheduler, HybridCPConfig, HybridCPDataLoaderWrapper, HybridCPTextDataModule
-from .text import TextCorpusDataModule
-
-# Names kept for compatibility (see the module docs); the `X as X` form marks them as deliberate re-exports.
-from zlightning.parallel import CPShard as CPShard
-from zlightning.parallel import HybridCPGroups as HybridCPGroups
-from zlightning.parallel import cp_attention as cp_attention
-from zlightning.parallel import cp_causal_attention as cp_causal_attention
-
 from .curriculum import CurriculumMetricConfig as CurriculumMetricConfig
 from .curriculum import CurriculumSchedule as CurriculumSchedule
 from .curriculum import IndexFile as IndexFile
@@ -53,6 +50,7 @@ from .curriculum import MetricSpec as MetricSpec
 from .curriculum import difficulty_at as difficulty_at
 from .curriculum import read_deepspeed_sampler_state as read_deepspeed_sampler_state
 from .curriculum import write_metric_index as write_metric_index
+from .hybrid_cp import BalancedCPScheduler, HybridCPConfig, HybridCPDataLoaderWrapper, HybridCPTextDataModule
 from .hybrid_cp import CostFn as CostFn
 from .hybrid_cp import HybridCPBatch as HybridCPBatch
 from .hybrid_cp import HybridCPSubSample as HybridCPSubSample
@@ -71,6 +69,7 @@ from .hybrid_cp import unpack_packed_batch as unpack_packed_batch
 from .hybrid_cp import zigzag_shard as zigzag_shard
 from .text import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE
 from .text import PackedByteDataset as PackedByteDataset
+from .text import TextCorpusDataModule
 from .text import corpus_files as corpus_files
 
 __all__ = [

@@ -16,13 +16,13 @@ import os
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from zlightning.datamodules import TextCorpusDataModule
+from zlightning.strategies import ZeroMemoryMonitor, ZStackZero3Strategy
 
 import zlightning  # noqa: F401  (registers zstack_zero3)
 from zlightning._run_report import RunSummary
-from zlightning.datamodules import TextCorpusDataModule
 from zlightning.loggers import TensorBoardLogger  # a section per concern (loss, throughput, memory), no hp_metric
 from zlightning.models import GPTLightningModule
-from zlightning.strategies import ZeroMemoryMonitor, ZStackZero3Strategy
 from zlightning.zero import ZeroConfig, summon_full_params
 
 
@@ -48,7 +48,9 @@ def main() -> None:
     model = GPTLightningModule(seq_len=128, d_model=128, n_layer=4, n_head=4, lr=2e-3, warmup_steps=30)
     strategy = ZStackZero3Strategy(ZeroConfig(unit_modules=("Block",)))
     logger = TensorBoardLogger(args.out, name="gpt_zero3")
-    ckpt = ModelCheckpoint(dirpath=os.path.join(logger.log_dir, "checkpoints"), save_last=True, save_top_k=1, monitor="val/loss")
+    ckpt = ModelCheckpoint(
+        dirpath=os.path.join(logger.log_dir, "checkpoints"), save_last=True, save_top_k=1, monitor="val/loss"
+    )
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="auto",

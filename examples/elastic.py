@@ -26,9 +26,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from zlightning.datamodules import TextCorpusDataModule
 
 import zlightning  # noqa: F401  (registers the zstack strategies)
-from zlightning.datamodules import TextCorpusDataModule
 from zlightning.models import GPTLightningModule
 
 
@@ -44,10 +44,19 @@ def main(argv: list[str] | None = None) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun: this restart's size, which may change
     nodes = int(os.environ.get("WORLD_SIZE", str(local))) // local
     trainer = pl.Trainer(
-        strategy=args.strategy, accelerator="auto", devices=local, num_nodes=nodes, max_steps=args.max_steps,
-        default_root_dir=args.out, logger=False, enable_progress_bar=False,
-        callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=args.save_every,
-                                   save_last=True, save_top_k=0)],
+        strategy=args.strategy,
+        accelerator="auto",
+        devices=local,
+        num_nodes=nodes,
+        max_steps=args.max_steps,
+        default_root_dir=args.out,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=args.out / "checkpoints", every_n_train_steps=args.save_every, save_last=True, save_top_k=0
+            )
+        ],
     )
     model = GPTLightningModule(seq_len=64, d_model=64, n_layer=2, n_head=2)
     trainer.fit(model, datamodule=TextCorpusDataModule(seq_len=64, batch_size=4), ckpt_path="last")

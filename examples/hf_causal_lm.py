@@ -27,13 +27,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from zlightning.datamodules import CurriculumDataModule, TextCorpusDataModule  # noqa: E402
+from zlightning.strategies import PipelineStrategy, ZeroMemoryMonitor, ZStackZero3Strategy  # noqa: E402
+
 import zlightning  # noqa: E402,F401  (registers the strategies)
 from zlightning.callbacks import PipelineBubbleMonitor  # noqa: E402
-from zlightning.datamodules import CurriculumDataModule, TextCorpusDataModule  # noqa: E402
 from zlightning.integrations.huggingface import export_pretrained, pipeline_to_hf_state  # noqa: E402
 from zlightning.loggers import TensorBoardLogger  # noqa: E402
 from zlightning.models.hf_causal_lm import HFCausalLM, HFCausalLMPipeline, hf_config  # noqa: E402
-from zlightning.strategies import PipelineStrategy, ZeroMemoryMonitor, ZStackZero3Strategy  # noqa: E402
 from zlightning.zero import CPUOffload, summon_full_params  # noqa: E402
 
 RUNS = ("all", "zero3", "offload", "tp", "compile", "pipeline")
@@ -42,13 +43,22 @@ RUNS = ("all", "zero3", "offload", "tp", "compile", "pipeline")
 def curriculum_data(seq_len: int, batch_size: int, max_bytes: int, ramp_steps: int) -> CurriculumDataModule:
     """Byte-level text, each batch truncated to the curriculum's length: 16 tokens first, ``seq_len`` after
     ``ramp_steps`` steps (DeepSpeed's ``seqlen_truncate``)."""
-    metric = {"clustering_type": "single_cluster", "min_difficulty": 16, "max_difficulty": seq_len,
-              "schedule_type": "fixed_linear",
-              "schedule_config": {"total_curriculum_step": ramp_steps, "difficulty_step": 8}}
+    metric = {
+        "clustering_type": "single_cluster",
+        "min_difficulty": 16,
+        "max_difficulty": seq_len,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": ramp_steps, "difficulty_step": 8},
+    }
     return CurriculumDataModule(
         base=TextCorpusDataModule(seq_len=seq_len, batch_size=batch_size, max_bytes=max_bytes),
-        data_efficiency={"seed": 1234, "data_sampling": {"num_epochs": 100, "curriculum_learning": {
-            "enabled": True, "curriculum_metrics": {"seqlen_truncate": metric}}}},
+        data_efficiency={
+            "seed": 1234,
+            "data_sampling": {
+                "num_epochs": 100,
+                "curriculum_learning": {"enabled": True, "curriculum_metrics": {"seqlen_truncate": metric}},
+            },
+        },
     )
 
 
@@ -56,8 +66,11 @@ def strategy_for(run: str) -> Any:
     if run == "pipeline":
         return PipelineStrategy(micro_batches=4)
     offload = CPUOffload() if run in ("all", "offload") else None
-    return ZStackZero3Strategy(offload_optimizer=offload, tensor_parallel_size=2 if run in ("all", "tp") else 1,
-                               compile=run in ("all", "compile"))
+    return ZStackZero3Strategy(
+        offload_optimizer=offload,
+        tensor_parallel_size=2 if run in ("all", "tp") else 1,
+        compile=run in ("all", "compile"),
+    )
 
 
 def full_hf_state(module: pl.LightningModule, strategy: Any, config: Any) -> dict[str, torch.Tensor] | None:
@@ -102,12 +115,22 @@ def main() -> None:
     logger = TensorBoardLogger(args.out, name=f"hf_causal_lm_{args.run}")
     monitor = PipelineBubbleMonitor() if args.run == "pipeline" else ZeroMemoryMonitor(every_n_steps=10)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, val_check_interval=min(50, steps),
-        check_val_every_n_epoch=None, limit_val_batches=2 if args.short else 5, num_sanity_val_steps=0,
-        log_every_n_steps=1 if args.short else 5, logger=logger, enable_checkpointing=False, callbacks=[monitor],
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        val_check_interval=min(50, steps),
+        check_val_every_n_epoch=None,
+        limit_val_batches=2 if args.short else 5,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1 if args.short else 5,
+        logger=logger,
+        enable_checkpointing=False,
+        callbacks=[monitor],
     )
-    data = curriculum_data(seq_len=128, batch_size=8, max_bytes=100_000 if args.short else 2_000_000,
-                           ramp_steps=max(1, steps // 2))
+    data = curriculum_data(
+        seq_len=128, batch_size=8, max_bytes=100_000 if args.short else 2_000_000, ramp_steps=max(1, steps // 2)
+    )
     trainer.fit(module, datamodule=data)
     state = full_hf_state(module, strategy, hf_cfg)
     if trainer.is_global_zero and state is not None:

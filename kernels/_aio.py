@@ -131,8 +131,9 @@ class AIOError(OSError):
         nbytes: bytes of the whole request.
     """
 
-    def __init__(self, err: int, message: str, *, op: Op, filename: str, offset: int, request_offset: int,
-                 nbytes: int) -> None:
+    def __init__(
+        self, err: int, message: str, *, op: Op, filename: str, offset: int, request_offset: int, nbytes: int
+    ) -> None:
         super().__init__(err, message, filename)
         self.op = op
         self.offset = offset
@@ -140,8 +141,10 @@ class AIOError(OSError):
         self.nbytes = nbytes
 
     def __str__(self) -> str:
-        return (f"[Errno {self.errno}] {self.op} of {self.nbytes} bytes at offset {self.request_offset} of "
-                f"'{self.filename}' failed at offset {self.offset}: {self.strerror}")
+        return (
+            f"[Errno {self.errno}] {self.op} of {self.nbytes} bytes at offset {self.request_offset} of "
+            f"'{self.filename}' failed at offset {self.offset}: {self.strerror}"
+        )
 
 
 class IORequest:
@@ -178,8 +181,9 @@ class IORequest:
         self._event.wait()
 
     def _error(self, err: int, message: str, at: int) -> AIOError:
-        return AIOError(err, message, op=self.op, filename=self.filename, offset=at, request_offset=self.offset,
-                        nbytes=self.nbytes)
+        return AIOError(
+            err, message, op=self.op, filename=self.filename, offset=at, request_offset=self.offset, nbytes=self.nbytes
+        )
 
     def _block_done(self, error: AIOError | None) -> None:
         with self._lock:
@@ -238,9 +242,12 @@ def _run_block(req: IORequest, block: Block) -> None:
                     done, n = done + n, 0  # the file ends inside this block (O_DIRECT cannot re-read unaligned)
                 if n == 0:
                     size = os.fstat(fd).st_size
-                    raise req._error(_errno.EIO, f"short read: the file has only {size} bytes, the request needs "
-                                     f"{req.offset + req.nbytes} (got {done} of {length} bytes of this block)",
-                                     offset + done)
+                    raise req._error(
+                        _errno.EIO,
+                        f"short read: the file has only {size} bytes, the request needs "
+                        f"{req.offset + req.nbytes} (got {done} of {length} bytes of this block)",
+                        offset + done,
+                    )
             else:
                 n = os.pwrite(fd, view[done:], offset + done)
                 if n == 0:
@@ -294,9 +301,13 @@ def _open_direct(path: str, op: Op) -> int | None:
     dev = os.stat(os.path.dirname(os.path.abspath(path)) or ".").st_dev
     if dev not in _warned_filesystems:
         _warned_filesystems.add(dev)
-        warnings.warn(f"DeepSpeedIOEngine: the filesystem of '{path}' does not support O_DIRECT; using buffered "
-                      "I/O (page cache) for files there. Put swap files on a local ext4/xfs NVMe filesystem for "
-                      "direct I/O.", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"DeepSpeedIOEngine: the filesystem of '{path}' does not support O_DIRECT; using buffered "
+            "I/O (page cache) for files there. Put swap files on a local ext4/xfs NVMe filesystem for "
+            "direct I/O.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return None
 
 
@@ -320,8 +331,10 @@ class _NativeBackend:
         if err:
             if short >= 0:
                 size = os.fstat(req._fds[0]).st_size
-                msg = (f"short read: the file has only {size} bytes, the request needs {req.offset + req.nbytes} "
-                       f"(got {short} bytes of the block at {at - short})")
+                msg = (
+                    f"short read: the file has only {size} bytes, the request needs {req.offset + req.nbytes} "
+                    f"(got {short} bytes of the block at {at - short})"
+                )
             else:
                 msg = os.strerror(err)
             req.errors.append(req._error(err, msg, at))
@@ -370,18 +383,34 @@ class DeepSpeedIOEngine:
     config: AIOConfig
     backend_name: str
 
-    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, single_submit: bool = False,
-                 overlap_events: bool = False, intra_op_parallelism: int = 1, *, o_direct: bool = True,
-                 backend: Literal["auto", "python", "native"] = "auto") -> None:
-        self.config = AIOConfig(block_size=block_size, queue_depth=queue_depth, single_submit=single_submit,
-                                overlap_events=overlap_events, intra_op_parallelism=intra_op_parallelism,
-                                o_direct=o_direct, backend=backend)
+    def __init__(
+        self,
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+        single_submit: bool = False,
+        overlap_events: bool = False,
+        intra_op_parallelism: int = 1,
+        *,
+        o_direct: bool = True,
+        backend: Literal["auto", "python", "native"] = "auto",
+    ) -> None:
+        self.config = AIOConfig(
+            block_size=block_size,
+            queue_depth=queue_depth,
+            single_submit=single_submit,
+            overlap_events=overlap_events,
+            intra_op_parallelism=intra_op_parallelism,
+            o_direct=o_direct,
+            backend=backend,
+        )
         native = _native_backend(self.config) if backend != "python" else None
         if backend == "native" and native is None:
             from zlightning.kernels import _ext
 
-            raise RuntimeError(f"DeepSpeedIOEngine(backend='native'): the native backend is unavailable "
-                               f"({_ext.status().reason}). Build it with `make install` or use backend='python'.")
+            raise RuntimeError(
+                f"DeepSpeedIOEngine(backend='native'): the native backend is unavailable "
+                f"({_ext.status().reason}). Build it with `make install` or use backend='python'."
+            )
         self._backend = native if native is not None else _ThreadPoolBackend(self.config)
         self.backend_name = self._backend.name
         self._pending: list[IORequest] = []
@@ -447,8 +476,11 @@ class DeepSpeedIOEngine:
         if errors:
             first = errors[0]
             if len(errors) > 1:
-                first.add_note(f"{len(errors) - 1} more failed block(s): "
-                               + "; ".join(str(e) for e in errors[1:4]) + (" ..." if len(errors) > 4 else ""))
+                first.add_note(
+                    f"{len(errors) - 1} more failed block(s): "
+                    + "; ".join(str(e) for e in errors[1:4])
+                    + (" ..." if len(errors) > 4 else "")
+                )
             raise first
         return len(reqs)
 
@@ -469,8 +501,14 @@ class DeepSpeedIOEngine:
         return self._general("write", buffer, filename, False, False, file_offset)
 
     # ---- DeepSpeed's general forms ---------------------------------------------------------------------------
-    def pread(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
-              async_op: bool = False, file_offset: int = 0) -> int:
+    def pread(
+        self,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+    ) -> int:
         """DeepSpeed's ``pread(buffer, filename, validate, async, file_offset)``.
 
         ``async_op=True`` works as `async_pread` and returns 0 (finish with `wait`); False as `sync_pread` and returns
@@ -482,25 +520,34 @@ class DeepSpeedIOEngine:
         """
         return self._general("read", buffer, filename, validate, async_op, file_offset)
 
-    def pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
-               async_op: bool = False, file_offset: int = 0) -> int:
+    def pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+    ) -> int:
         """DeepSpeed's ``pwrite(buffer, filename, validate, async, file_offset)``; see `pread` for the arguments."""
         return self._general("write", buffer, filename, validate, async_op, file_offset)
 
-    def read(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
-             file_offset: int = 0) -> int:
+    def read(
+        self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False, file_offset: int = 0
+    ) -> int:
         """DeepSpeed's synchronous ``read(buffer, filename, validate)``: `pread` without ``async_op``. Returns 1."""
         return self._general("read", buffer, filename, validate, False, file_offset)
 
-    def write(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
-              file_offset: int = 0) -> int:
+    def write(
+        self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False, file_offset: int = 0
+    ) -> int:
         """DeepSpeed's synchronous ``write(buffer, filename, validate)``: `pwrite` without ``async_op``. Returns 1."""
         return self._general("write", buffer, filename, validate, False, file_offset)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is page-locked by CUDA or came from this engine's `new_cpu_locked_tensor`."""
-        return tensor.device.type == "cpu" and (tensor.data_ptr() in self._locked or
-                                                (torch.cuda.is_available() and tensor.is_pinned()))
+        return tensor.device.type == "cpu" and (
+            tensor.data_ptr() in self._locked or (torch.cuda.is_available() and tensor.is_pinned())
+        )
 
     @staticmethod
     def get_alignment() -> int:
@@ -525,8 +572,10 @@ class DeepSpeedIOEngine:
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
         """Releases a tensor from `new_cpu_locked_tensor` (its memory is freed once no other reference remains)."""
         if self._locked.pop(tensor.data_ptr(), None) is None:
-            raise ValueError("free_cpu_locked_tensor: this tensor was not allocated by this engine's "
-                             "new_cpu_locked_tensor (or was already freed).")
+            raise ValueError(
+                "free_cpu_locked_tensor: this tensor was not allocated by this engine's "
+                "new_cpu_locked_tensor (or was already freed)."
+            )
 
     def close(self) -> None:
         """Waits for outstanding I/O (raising its errors) and stops the worker threads. Idempotent."""
@@ -543,12 +592,21 @@ class DeepSpeedIOEngine:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"DeepSpeedIOEngine(block_size={c.block_size}, queue_depth={c.queue_depth}, "
-                f"intra_op_parallelism={c.intra_op_parallelism}, o_direct={c.o_direct}, backend={self.backend_name})")
+        return (
+            f"DeepSpeedIOEngine(block_size={c.block_size}, queue_depth={c.queue_depth}, "
+            f"intra_op_parallelism={c.intra_op_parallelism}, o_direct={c.o_direct}, backend={self.backend_name})"
+        )
 
     # ---- internals --------------------------------------------------------------------------------------------
-    def _general(self, op: Op, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool, async_op: bool,
-                 file_offset: int) -> int:
+    def _general(
+        self,
+        op: Op,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike,
+        validate: bool,
+        async_op: bool,
+        file_offset: int,
+    ) -> int:
         req = self._submit(op, buffer, filename, file_offset, pending=async_op, validate=validate)
         if async_op:
             return 0
@@ -559,8 +617,16 @@ class DeepSpeedIOEngine:
             req._finalize()
         return 1
 
-    def _submit(self, op: Op, buffer: torch.Tensor, filename: str | os.PathLike, offset: int,
-                *, pending: bool, validate: bool = False) -> IORequest:
+    def _submit(
+        self,
+        op: Op,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike,
+        offset: int,
+        *,
+        pending: bool,
+        validate: bool = False,
+    ) -> IORequest:
         if self._closer.alive is False:
             raise RuntimeError("DeepSpeedIOEngine: the engine is closed; create a new one.")
         path = os.fspath(filename)
@@ -588,11 +654,14 @@ class DeepSpeedIOEngine:
     @staticmethod
     def _host_buffer(op: Op, buffer: torch.Tensor, path: str) -> torch.Tensor:
         if not isinstance(buffer, torch.Tensor):
-            raise TypeError(f"DeepSpeedIOEngine {op} of '{path}': buffer must be a torch.Tensor, got "
-                            f"{type(buffer).__name__}.")
+            raise TypeError(
+                f"DeepSpeedIOEngine {op} of '{path}': buffer must be a torch.Tensor, got {type(buffer).__name__}."
+            )
         if not buffer.is_contiguous():
-            raise ValueError(f"DeepSpeedIOEngine {op} of '{path}': buffer must be contiguous (call .contiguous() "
-                             "and keep that tensor alive until wait()).")
+            raise ValueError(
+                f"DeepSpeedIOEngine {op} of '{path}': buffer must be contiguous (call .contiguous() "
+                "and keep that tensor alive until wait())."
+            )
         if buffer.device.type == "cpu":
             return buffer
         host = aligned_empty(buffer.numel(), buffer.dtype, pin=True).view(buffer.shape)
@@ -633,15 +702,19 @@ def _validate(req: IORequest, host: torch.Tensor, chunk: int = 1 << 24) -> None:
         for start in range(0, req.nbytes, chunk):
             want = min(chunk, req.nbytes - start)
             got = os.pread(fd, want, req.offset + start)
-            mine = data[start:start + want]
+            mine = data[start : start + want]
             if len(got) != want:
-                raise req._error(_errno.EIO, f"validation: file ends {len(got)} bytes into a {want}-byte range",
-                                 req.offset + start)
+                raise req._error(
+                    _errno.EIO, f"validation: file ends {len(got)} bytes into a {want}-byte range", req.offset + start
+                )
             theirs = torch.frombuffer(bytearray(got), dtype=torch.uint8)
             if not torch.equal(mine, theirs):
                 first = int((mine != theirs).nonzero()[0])
-                raise req._error(_errno.EIO, f"validation: buffer and file differ at byte {start + first} of the "
-                                 "request", req.offset + start + first)
+                raise req._error(
+                    _errno.EIO,
+                    f"validation: buffer and file differ at byte {start + first} of the request",
+                    req.offset + start + first,
+                )
     finally:
         os.close(fd)
 
@@ -671,7 +744,7 @@ def aligned_empty(num_elem: int, dtype: torch.dtype, *, pin: bool = False) -> to
     if (pin and torch.cuda.is_available()) or nbytes < HUGE_PAGE:
         raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
         skip = (-raw.data_ptr()) % ALIGNMENT
-        return raw[skip:skip + nbytes].view(dtype)
+        return raw[skip : skip + nbytes].view(dtype)
     return _mapped_empty(nbytes).view(dtype)
 
 
@@ -680,11 +753,11 @@ def _mapped_empty(nbytes: int) -> torch.Tensor:
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor's storage keeps `mm` alive
     skip = (-raw.data_ptr()) % HUGE_PAGE
-    buf = raw[skip:skip + nbytes]
+    buf = raw[skip : skip + nbytes]
     with contextlib.suppress(OSError, AttributeError, ValueError):  # THP compiled out or "never": 4 KiB pages
         mm.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
     try:  # one sequential fault pass in the kernel (5.14+)
         mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), skip, nbytes)
     except (OSError, ValueError):
-        buf[::ALIGNMENT // 2].zero_()  # touch every page (mapped memory reads as zeros anyway)
+        buf[:: ALIGNMENT // 2].zero_()  # touch every page (mapped memory reads as zeros anyway)
     return buf

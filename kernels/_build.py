@@ -145,29 +145,70 @@ def library_path(key: str | None = None) -> Path:
     return build_dir() / key / LIB_NAME
 
 
-def _commands(cxx: str, out: Path, includes: list[str], lib_dir: str, abi: bool) -> tuple[list[list[str]], list[str], str]:
+def _commands(
+    cxx: str, out: Path, includes: list[str], lib_dir: str, abi: bool
+) -> tuple[list[list[str]], list[str], str]:
     inc = [f"-I{p}" for p in includes] + [f"-I{CSRC}"]
     abi_flag = [f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}"]
     objs, cmds = [], []
     for isa, flags in ISA_FLAGS.items():
         obj = str(out / f"adam_{isa}.o")
-        cmds.append([cxx, *COMMON_FLAGS, "-fopenmp-simd", *flags, f"-DZL_ISA_FN=adam_{isa}", f"-I{CSRC}",
-                     "-c", str(CSRC / "adam_isa.cpp"), "-o", obj])
+        cmds.append(
+            [
+                cxx,
+                *COMMON_FLAGS,
+                "-fopenmp-simd",
+                *flags,
+                f"-DZL_ISA_FN=adam_{isa}",
+                f"-I{CSRC}",
+                "-c",
+                str(CSRC / "adam_isa.cpp"),
+                "-o",
+                obj,
+            ]
+        )
         objs.append(obj)
     obj = str(out / "aio_uring.o")
     cmds.append([cxx, *COMMON_FLAGS, *abi_flag, f"-I{CSRC}", "-c", str(CSRC / "aio_uring.cpp"), "-o", obj])
     objs.append(obj)
-    flags_str = " ".join(COMMON_FLAGS) + " | isa: " + "; ".join(f"{k}: {' '.join(v) or '(x86-64)'}"
-                                                               for k, v in ISA_FLAGS.items())
+    flags_str = (
+        " ".join(COMMON_FLAGS)
+        + " | isa: "
+        + "; ".join(f"{k}: {' '.join(v) or '(x86-64)'}" for k, v in ISA_FLAGS.items())
+    )
     obj = str(out / "host_cache.o")
     cmds.append([cxx, *COMMON_FLAGS, *abi_flag, *inc, "-c", str(CSRC / "host_cache.cpp"), "-o", obj])
     objs.append(obj)
     obj = str(out / "ops.o")
-    cmds.append([cxx, *COMMON_FLAGS, *abi_flag, "-fopenmp", "-DTORCH_EXTENSION_NAME=zlkernels",
-                 f'-DZL_BUILD_FLAGS="{flags_str}"', *inc, "-c", str(CSRC / "ops.cpp"), "-o", obj])
+    cmds.append(
+        [
+            cxx,
+            *COMMON_FLAGS,
+            *abi_flag,
+            "-fopenmp",
+            "-DTORCH_EXTENSION_NAME=zlkernels",
+            f'-DZL_BUILD_FLAGS="{flags_str}"',
+            *inc,
+            "-c",
+            str(CSRC / "ops.cpp"),
+            "-o",
+            obj,
+        ]
+    )
     objs.append(obj)
-    link = [cxx, "-shared", "-o", str(out / LIB_NAME), *objs, f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch",
-            f"-Wl,-rpath,{lib_dir}", "-lpthread"]
+    link = [
+        cxx,
+        "-shared",
+        "-o",
+        str(out / LIB_NAME),
+        *objs,
+        f"-L{lib_dir}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        f"-Wl,-rpath,{lib_dir}",
+        "-lpthread",
+    ]
     gomp = Path(lib_dir) / "libgomp.so.1"  # torch's own OpenMP runtime: never load a second one
     link += [str(gomp)] if gomp.exists() else ["-fopenmp"]
     return cmds, link, flags_str
@@ -177,8 +218,9 @@ def _compile_cached(cmd: list[str]) -> subprocess.CompletedProcess:
     """Compiles one object, reusing an identical earlier compile (same command and sources) from ``objcache/``:
     editing one source recompiles only that object (ops.cpp, with torch's headers, is the slow one)."""
     src, obj = Path(cmd[cmd.index("-c") + 1]), Path(cmd[cmd.index("-o") + 1])
-    h = hashlib.sha256(json.dumps([c for c in cmd if c != str(obj)]).encode() + src.read_bytes()
-                       + (CSRC / "zl_kernels.h").read_bytes()).hexdigest()[:20]
+    h = hashlib.sha256(
+        json.dumps([c for c in cmd if c != str(obj)]).encode() + src.read_bytes() + (CSRC / "zl_kernels.h").read_bytes()
+    ).hexdigest()[:20]
     cached = build_dir() / "objcache" / f"{obj.stem}-{h}.o"
     if cached.exists():
         shutil.copyfile(cached, obj)
@@ -207,8 +249,9 @@ def build(force: bool = False, verbose: bool = True) -> BuildResult:
         meta = json.loads((out / "build.json").read_text()) if (out / "build.json").exists() else {}
         if verbose:
             print(f">> zlightning kernels: cached build {lib} (built in {meta.get('seconds', 0):.0f}s)")
-        return BuildResult(True, str(lib), key, cxx, cver, torch_version, meta.get("flags", ""),
-                           meta.get("seconds", 0.0))
+        return BuildResult(
+            True, str(lib), key, cxx, cver, torch_version, meta.get("flags", ""), meta.get("seconds", 0.0)
+        )
     out = build_dir() / key
     lib = out / LIB_NAME
     out.mkdir(parents=True, exist_ok=True)
@@ -223,8 +266,17 @@ def build(force: bool = False, verbose: bool = True) -> BuildResult:
         if p.returncode:
             errors.append(f"$ {' '.join(link)}\n{p.stderr}")
     seconds = time.perf_counter() - t0
-    res = BuildResult(not errors, str(lib) if not errors else "", key, cxx, cver, torch_version, flags, seconds,
-                      "\n".join(errors)[-8000:])
+    res = BuildResult(
+        not errors,
+        str(lib) if not errors else "",
+        key,
+        cxx,
+        cver,
+        torch_version,
+        flags,
+        seconds,
+        "\n".join(errors)[-8000:],
+    )
     if errors and lib.exists():
         lib.unlink()
     (out / "build.json").write_text(json.dumps(asdict(res), indent=1))
@@ -233,8 +285,10 @@ def build(force: bool = False, verbose: bool = True) -> BuildResult:
     if res.ok:
         _prune_stale(key, torch_version)
     if verbose:
-        print(f">> zlightning kernels: {'built' if res.ok else 'BUILD FAILED'} in {seconds:.0f}s"
-              + ("" if res.ok else f"; the PyTorch fallbacks will be used. Compiler output:\n{res.error}"))
+        print(
+            f">> zlightning kernels: {'built' if res.ok else 'BUILD FAILED'} in {seconds:.0f}s"
+            + ("" if res.ok else f"; the PyTorch fallbacks will be used. Compiler output:\n{res.error}")
+        )
     return res
 
 

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-
 from zlightning.kernels import _ext
 
 __all__ = ["CPUAdam", "adam_step_reference"]
@@ -31,9 +30,22 @@ __all__ = ["CPUAdam", "adam_step_reference"]
 _LOW = (torch.bfloat16, torch.float16)
 
 
-def adam_step_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                        copy: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
-                        weight_decay: float, step: int, bias_correction: bool, adamw_mode: bool) -> None:
+def adam_step_reference(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    copy: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool,
+    adamw_mode: bool,
+) -> None:
     """The pure-PyTorch Adam/AdamW step (same operations as ``torch.optim.AdamW``'s single-tensor path), in place.
 
     ``master``, ``exp_avg``, ``exp_avg_sq`` are updated; ``copy`` (if given) receives the updated ``master`` in its
@@ -79,13 +91,23 @@ class CPUAdam(torch.optim.Optimizer):
         ValueError: amsgrad, or a hyper-parameter out of range.
     """
 
-    def __init__(self, model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
-                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
-                 fp32_optimizer_states: bool = True) -> None:
+    def __init__(
+        self,
+        model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
         if amsgrad:
-            raise ValueError("CPUAdam(amsgrad=True): AMSGrad is not supported (as in DeepSpeedCPUAdam). Use "
-                             "torch.optim.AdamW(amsgrad=True) if you need it.")
+            raise ValueError(
+                "CPUAdam(amsgrad=True): AMSGrad is not supported (as in DeepSpeedCPUAdam). Use "
+                "torch.optim.AdamW(amsgrad=True) if you need it."
+            )
         if not lr >= 0.0:
             raise ValueError(f"CPUAdam: lr={lr!r} must be >= 0.")
         if not eps >= 0.0:
@@ -94,8 +116,14 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: betas={betas!r} must be two values in [0, 1).")
         if not weight_decay >= 0.0:
             raise ValueError(f"CPUAdam: weight_decay={weight_decay!r} must be >= 0.")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, adamw_mode=adamw_mode)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            adamw_mode=adamw_mode,
+        )
         super().__init__(model_params, defaults)
         self.fp32_optimizer_states = fp32_optimizer_states
         for group in self.param_groups:
@@ -105,8 +133,10 @@ class CPUAdam(torch.optim.Optimizer):
     @staticmethod
     def _check_param(p: torch.Tensor) -> None:
         if p.device.type != "cpu":
-            raise ValueError(f"CPUAdam updates CPU tensors; got a parameter on {p.device}. Offload it (ZeRO "
-                             "offload_optimizer) or use torch.optim.AdamW(fused=True) on the GPU.")
+            raise ValueError(
+                f"CPUAdam updates CPU tensors; got a parameter on {p.device}. Offload it (ZeRO "
+                "offload_optimizer) or use torch.optim.AdamW(fused=True) on the GPU."
+            )
         if p.dtype not in (torch.float32, *_LOW):
             raise ValueError(f"CPUAdam: parameter dtype {p.dtype} unsupported (float32, bfloat16, float16).")
 
@@ -116,8 +146,11 @@ class CPUAdam(torch.optim.Optimizer):
         return _ext.available()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None,
-             fp16_param_groups: list[torch.Tensor] | list[list[torch.Tensor]] | None = None) -> float | None:
+    def step(
+        self,
+        closure: Callable[[], float] | None = None,
+        fp16_param_groups: list[torch.Tensor] | list[list[torch.Tensor]] | None = None,
+    ) -> float | None:
         """One update of every parameter with a gradient.
 
         Args:
@@ -150,14 +183,19 @@ class CPUAdam(torch.optim.Optimizer):
         if groups and isinstance(groups[0], torch.Tensor):
             groups = [groups]
         if len(groups) != len(self.param_groups) or any(
-                len(c) != len(g["params"]) for c, g in zip(groups, self.param_groups)):
-            raise ValueError("CPUAdam.step(fp16_param_groups=...): need one tensor per parameter, grouped like "
-                             f"param_groups (sizes {[len(g['params']) for g in self.param_groups]}).")
+            len(c) != len(g["params"]) for c, g in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "CPUAdam.step(fp16_param_groups=...): need one tensor per parameter, grouped like "
+                f"param_groups (sizes {[len(g['params']) for g in self.param_groups]})."
+            )
         for c, g in zip(groups, self.param_groups):
             for t, p in zip(c, g["params"]):
                 if t.numel() != p.numel() or t.dtype not in _LOW:
-                    raise ValueError(f"CPUAdam.step: fp16_param_groups tensor {tuple(t.shape)} {t.dtype} does not "
-                                     f"match parameter {tuple(p.shape)} or is not bfloat16/float16.")
+                    raise ValueError(
+                        f"CPUAdam.step: fp16_param_groups tensor {tuple(t.shape)} {t.dtype} does not "
+                        f"match parameter {tuple(p.shape)} or is not bfloat16/float16."
+                    )
         return groups
 
     def _state_for(self, p: torch.Tensor) -> dict[str, Any]:
@@ -181,18 +219,43 @@ class CPUAdam(torch.optim.Optimizer):
         elif copy is not None and master is not p:
             copy = _TwoCopies(p, copy)
         beta1, beta2 = group["betas"]
-        kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                  step=state["step"], bias_correction=group["bias_correction"], adamw_mode=group["adamw_mode"])
+        kw = dict(
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            step=state["step"],
+            bias_correction=group["bias_correction"],
+            adamw_mode=group["adamw_mode"],
+        )
         grad = p.grad
-        fast = (native and master.dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
-                and master.is_contiguous() and not isinstance(copy, _TwoCopies)
-                and (copy is None or copy.is_contiguous()))
+        fast = (
+            native
+            and master.dtype == torch.float32
+            and state["exp_avg"].dtype == torch.float32
+            and master.is_contiguous()
+            and not isinstance(copy, _TwoCopies)
+            and (copy is None or copy.is_contiguous())
+        )
         if fast:
             if grad.dtype not in (torch.float32, torch.bfloat16) or not grad.is_contiguous():
                 grad = grad.float().contiguous()
-            torch.ops.zlightning.adam_step_(master, grad, state["exp_avg"], state["exp_avg_sq"], copy,
-                                            kw["lr"], beta1, beta2, kw["eps"], kw["weight_decay"], kw["step"],
-                                            kw["bias_correction"], kw["adamw_mode"])
+            torch.ops.zlightning.adam_step_(
+                master,
+                grad,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                copy,
+                kw["lr"],
+                beta1,
+                beta2,
+                kw["eps"],
+                kw["weight_decay"],
+                kw["step"],
+                kw["bias_correction"],
+                kw["adamw_mode"],
+            )
             return
         target = copy.first if isinstance(copy, _TwoCopies) else copy
         adam_step_reference(master, grad, state["exp_avg"], state["exp_avg_sq"], target, **kw)

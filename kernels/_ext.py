@@ -101,15 +101,30 @@ def warn_fallback(op: str) -> None:
         f"zlightning.kernels: native kernels unavailable ({status().reason}); {op} and the other ops use their "
         "PyTorch fallback (correct, slower). Build them once with `make install` or "
         "`python -m zlightning.kernels._build`; `zlightning kernels` shows the report.",
-        RuntimeWarning, stacklevel=3)
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _register_fakes() -> None:
     """Fake kernels: shapes/dtypes only, so torch.compile and FakeTensor tracing see the ops."""
 
     @torch.library.register_fake("zlightning::adam_step_")
-    def _adam_fake(param, grad, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps, weight_decay, step,
-                   bias_correction, adamw_mode):
+    def _adam_fake(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        param_copy,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        bias_correction,
+        adamw_mode,
+    ):
         return None
 
     @torch.library.register_fake("zlightning::quantize")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from zlightning.kernels import _ext
 
 __all__ = ["HostCacheStats", "disable_host_cache", "empty_host_cache", "enable_host_cache", "host_cache_stats"]

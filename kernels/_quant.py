@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from zlightning.kernels import _ext
 
 __all__ = ["QuantizedTensor", "dequantize", "dequantize_reference", "quantize", "quantize_reference"]
@@ -61,8 +60,9 @@ def _qrange(bits: int, symmetric: bool) -> tuple[float, float]:
     return (-qmax if symmetric else 0.0), qmax
 
 
-def quantize_reference(x: torch.Tensor, bits: int, group_size: int,
-                       symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_reference(
+    x: torch.Tensor, bits: int, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-PyTorch quantization (any device); returns ``(data, scale, offset)`` as the native op does."""
     n = x.numel()
     groups = -(-n // group_size)
@@ -90,8 +90,16 @@ def quantize_reference(x: torch.Tensor, bits: int, group_size: int,
     return data, scale, offset
 
 
-def dequantize_reference(data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int,
-                         symmetric: bool, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_reference(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Pure-PyTorch inverse of `quantize_reference`; returns a flat tensor of ``numel`` elements of ``dtype``."""
     if bits == 8:
         q = data.to(torch.int32)
@@ -162,8 +170,9 @@ def _triton_quantize():
         return None
 
     @triton.jit
-    def kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, n, group_size, qmin, qmax, SYMMETRIC: tl.constexpr,
-               BLOCK: tl.constexpr):
+    def kernel(
+        x_ptr, q_ptr, scale_ptr, offset_ptr, n, group_size, qmin, qmax, SYMMETRIC: tl.constexpr, BLOCK: tl.constexpr
+    ):
         g = tl.program_id(0)
         idx = tl.arange(0, BLOCK)
         pos = g * group_size + idx
@@ -188,8 +197,9 @@ def _triton_quantize():
     return triton, kernel
 
 
-def quantize_cuda(x: torch.Tensor, bits: int, group_size: int,
-                  symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_cuda(
+    x: torch.Tensor, bits: int, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CUDA implementation of ``zlightning::quantize``: Triton computes int32 codes per group, torch packs them."""
     tri = _triton_quantize()
     if tri is None:
@@ -202,8 +212,18 @@ def quantize_cuda(x: torch.Tensor, bits: int, group_size: int,
     offset = torch.empty(groups, dtype=torch.float32, device=x.device)
     qmin, qmax = _qrange(bits, symmetric)
     if groups:
-        kernel[(groups,)](x.contiguous().view(-1), codes, scale, offset, n, group_size, qmin, qmax,
-                          SYMMETRIC=symmetric, BLOCK=triton.next_power_of_2(group_size))
+        kernel[(groups,)](
+            x.contiguous().view(-1),
+            codes,
+            scale,
+            offset,
+            n,
+            group_size,
+            qmin,
+            qmax,
+            SYMMETRIC=symmetric,
+            BLOCK=triton.next_power_of_2(group_size),
+        )
     if bits == 8:
         data = codes.to(torch.int8) if symmetric else codes.to(torch.uint8)
     else:
@@ -212,7 +232,15 @@ def quantize_cuda(x: torch.Tensor, bits: int, group_size: int,
     return data, scale, offset
 
 
-def dequantize_cuda(data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int,
-                    symmetric: bool, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_cuda(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """CUDA implementation of ``zlightning::dequantize``: elementwise torch ops on the GPU (memory-bound)."""
     return dequantize_reference(data, scale, offset, bits, group_size, symmetric, numel, dtype)

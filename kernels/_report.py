@@ -10,7 +10,6 @@ import shutil
 import subprocess
 
 import torch
-
 from zlightning.kernels import _ext
 
 __all__ = ["kernel_report", "main"]
@@ -37,8 +36,9 @@ def kernel_report() -> dict[str, object]:
         "cpu_adam (zlightning::adam_step_)": native,
         "quantize (zlightning::quantize)": native + (f"; CUDA: {cuda}" if torch.cuda.is_available() else ""),
         "dequantize (zlightning::dequantize)": native,
-        "async_io (DeepSpeedIOEngine)": "native io_uring" if _ext.aio_native_available() else "python thread pool "
-        "of pread/pwrite" + ("" if st.loaded else " (native backend not built)"),
+        "async_io (DeepSpeedIOEngine)": "native io_uring"
+        if _ext.aio_native_available()
+        else "python thread pool of pread/pwrite" + ("" if st.loaded else " (native backend not built)"),
     }
     return {
         "ops": ops,
@@ -65,8 +65,22 @@ def _print(rep: dict[str, object]) -> None:
     for op, state in rep["ops"].items():  # type: ignore[union-attr]
         print(f"  {op:40s} {state}")
     print("-" * 72)
-    for key in ("library", "loaded", "reason", "isa", "io_uring", "build_flags", "build_seconds", "built_with",
-                "compiler_now", "torch", "cuda", "cuda_available", "cpu", "threads"):
+    for key in (
+        "library",
+        "loaded",
+        "reason",
+        "isa",
+        "io_uring",
+        "build_flags",
+        "build_seconds",
+        "built_with",
+        "compiler_now",
+        "torch",
+        "cuda",
+        "cuda_available",
+        "cpu",
+        "threads",
+    ):
         if key == "reason" and not rep[key]:
             continue
         print(f"  {key:15s} {rep[key]}")

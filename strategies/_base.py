@@ -4,10 +4,10 @@ calls. Each strategy adds its engine, checkpoints and data-parallel group on top
 from __future__ import annotations
 
 import os
-
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -25,9 +25,12 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
-
-import lightning.pytorch as pl
-from zlightning.strategies._launch import RankLauncher, SpawnRankLauncher, install_failure_report, install_sigterm_handler
+from zlightning.strategies._launch import (
+    RankLauncher,
+    SpawnRankLauncher,
+    install_failure_report,
+    install_sigterm_handler,
+)
 
 __all__ = ["LaunchedParallelStrategy"]
 

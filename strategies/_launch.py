@@ -53,9 +53,9 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+from zlightning.strategies._preemption import GracefulStop, preemption_timeout
 
 from zlightning._watchdog import PeerFailureError, note_exit
-from zlightning.strategies._preemption import GracefulStop, preemption_timeout
 
 __all__ = [
     "ERROR_DIR_ENV",
@@ -81,8 +81,14 @@ _FULL_TRACEBACK_ENV = "ZLIGHTNING_FULL_TRACEBACK"
 _SECONDARY_WAIT_S = 3.0
 _PEER_EXIT_GRACE_S = 15.0
 """Seconds rank 0 of a ``popen`` run has, after another rank died, to end with its own error before it is killed."""
-_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
-              "connection closed", "Connection refused")
+_SECONDARY = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "connection closed",
+    "Connection refused",
+)
 
 _children: Callable[[], Sequence[Any]] = list
 """The processes this process launched (Popen or multiprocessing.Process), read when a signal arrives."""
@@ -128,8 +134,11 @@ def end_run(signum: int = int(signal.SIGTERM)) -> NoReturn:
     grace = TERMINATE_GRACE_S + (preemption_timeout() if not torch.distributed.is_initialized() else 0.0)
     if children:
         name = signal.Signals(signum).name
-        print(f"zlightning: {name} received: ending this run's {len(children) + 1} processes "
-              f"(at most {grace:.0f} s)", file=sys.stderr, flush=True)
+        print(
+            f"zlightning: {name} received: ending this run's {len(children) + 1} processes (at most {grace:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     _stop_child_observers()
     for p in children:
         _signal(p, signal.SIGTERM)
@@ -284,7 +293,7 @@ class _RankObserver(_ChildProcessObserver):
             return False
         for i, proc in failed:
             code = proc.returncode
-            how = (f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}")
+            how = f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
             note_exit(self._first_rank + i, how)
         time.sleep(_PEER_EXIT_GRACE_S)
         if self._child_processes:  # not stopped meanwhile (an intended exit: see _stop_child_observers)
@@ -425,8 +434,9 @@ def summarize(err: BaseException, rank: int, world_size: int, folder: Path | Non
         last = frames[-1]
         lines.append(f"  raised at {_short_path(last.filename)}:{last.lineno} in {last.name}")
     if folder is not None:
-        lines.append(f"  full traceback of each failed rank: {folder}/rank<r>.log "
-                     f"(or set {_FULL_TRACEBACK_ENV}=1 to print it)")
+        lines.append(
+            f"  full traceback of each failed rank: {folder}/rank<r>.log (or set {_FULL_TRACEBACK_ENV}=1 to print it)"
+        )
     return "\n".join(lines)
 
 

@@ -14,12 +14,12 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from zlightning.zero import DynamicLossScaler, LossScalerConfig, ZeroState, clip_grad_norm_
 from zlightning.zero._config import DTypeName
 from zlightning.zero._optimizer import unscale_and_check_

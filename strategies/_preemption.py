@@ -39,12 +39,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from zlightning._watchdog import note_step, wait_for
 
 __all__ = ["PREEMPT_TIMEOUT_ENV", "PREEMPT_TIMEOUT_S", "GracefulStop", "preemption_timeout"]
@@ -124,8 +124,12 @@ class GracefulStop(Callback):
         bound = preemption_timeout()
         name = signal.Signals(signum).name
         world = int(os.environ.get("WORLD_SIZE", "0")) or (dist.get_world_size() if dist.is_initialized() else 1)
-        print(f"zlightning: {name} received: ending this run's {world} processes after the step in progress and one "
-              f"checkpoint (at most {bound:.0f} s; a second {name} ends them at once)", file=sys.stderr, flush=True)
+        print(
+            f"zlightning: {name} received: ending this run's {world} processes after the step in progress and one "
+            f"checkpoint (at most {bound:.0f} s; a second {name} ends them at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         self._deadline = threading.Timer(bound, self._give_up, args=(bound,))
         self._deadline.daemon = True
         self._deadline.start()
@@ -134,9 +138,12 @@ class GracefulStop(Callback):
         """The deadline passed (a step or the save is stuck): end this rank without the checkpoint."""
         from zlightning.strategies._launch import TERMINATED_EXIT_CODE, _abort_process_groups, _children, _signal
 
-        print(f"zlightning: the step and checkpoint after {signal.Signals(self._signum).name} did not finish within "
-              f"{bound:.0f} s ({PREEMPT_TIMEOUT_ENV}); ending now without them: the previous checkpoint is intact",
-              file=sys.stderr, flush=True)
+        print(
+            f"zlightning: the step and checkpoint after {signal.Signals(self._signum).name} did not finish within "
+            f"{bound:.0f} s ({PREEMPT_TIMEOUT_ENV}); ending now without them: the previous checkpoint is intact",
+            file=sys.stderr,
+            flush=True,
+        )
         _abort_process_groups()
         for p in _children():
             _signal(p, signal.SIGKILL)
@@ -144,13 +151,15 @@ class GracefulStop(Callback):
 
     # ---------------------------------------------------------------- the per-batch agreement and the stop
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         note_step(trainer.global_step)  # names the step in the watchdog's errors
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._armed:
             return
         who = self._who_requested(trainer)
@@ -178,15 +187,23 @@ class GracefulStop(Callback):
             self._deadline.cancel()
         if trainer.is_global_zero:
             name = signal.Signals(self._signum).name
-            saved = (f"saved {path} in {time.monotonic() - start:.2f} s; resume with trainer.fit(..., "
-                     f'ckpt_path="last")' if path is not None else
-                     "saved no checkpoint (the Trainer has no ModelCheckpoint: enable_checkpointing=False)")
-            since = (f", {time.monotonic() - self._requested_at:.2f} s after the signal"
-                     if self._requested_at is not None else "")
+            saved = (
+                f'saved {path} in {time.monotonic() - start:.2f} s; resume with trainer.fit(..., ckpt_path="last")'
+                if path is not None
+                else "saved no checkpoint (the Trainer has no ModelCheckpoint: enable_checkpointing=False)"
+            )
+            since = (
+                f", {time.monotonic() - self._requested_at:.2f} s after the signal"
+                if self._requested_at is not None
+                else ""
+            )
             ranks = "rank" + ("s " if len(who) > 1 else " ") + ", ".join(map(str, who))
-            print(f"zlightning: {name} received by {ranks}: all {trainer.world_size} ranks finished step "
-                  f"{trainer.global_step} and {saved}; exiting with status {TERMINATED_EXIT_CODE}{since}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"zlightning: {name} received by {ranks}: all {trainer.world_size} ranks finished step "
+                f"{trainer.global_step} and {saved}; exiting with status {TERMINATED_EXIT_CODE}{since}",
+                file=sys.stderr,
+                flush=True,
+            )
         self._disarm()
         raise SystemExit(TERMINATED_EXIT_CODE)
 

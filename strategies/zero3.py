@@ -42,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -54,20 +55,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+from zlightning.kernels._host_cache import empty_host_cache
+from zlightning.strategies._base import LaunchedParallelStrategy
+from zlightning.strategies._groups import metrics_to_group
+from zlightning.strategies._precision import ZeroPrecision
+from zlightning.strategies._weights_only import requested_weights_only
 
-import lightning.pytorch as pl
 from zlightning._durable import remove_durably, resolve, save_failure_message, write_durably
 from zlightning.compile import CompileConfig
 from zlightning.compile._zero3 import ZeroCompileHandle, compile_zero3
 from zlightning.inject._api import TPGroups, apply_tensor_parallel
 from zlightning.inject._clip import tp_model_parallel_grads
-from zlightning.strategies._base import LaunchedParallelStrategy
-from zlightning.strategies._groups import metrics_to_group
-from zlightning.strategies._precision import ZeroPrecision
-from zlightning.strategies._weights_only import requested_weights_only
-from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
-from zlightning.zero._offload_config import CPUOffload, NVMeOffload
-from zlightning.kernels._host_cache import empty_host_cache
 from zlightning.zero import (
     CheckpointPolicy,
     CheckpointSaveError,
@@ -88,6 +86,8 @@ from zlightning.zero import (
     save_sharded,
     zero3_shard,
 )
+from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
+from zlightning.zero._offload_config import CPUOffload, NVMeOffload
 
 __all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor"]
 
@@ -166,7 +166,11 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
     ) -> None:
         if not isinstance(compile, (bool, CompileConfig)):
             raise TypeError(f"ZStackZero3Strategy(compile=...) expects a bool or a CompileConfig, got {compile!r}")
-        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        if (
+            not isinstance(tensor_parallel_size, int)
+            or isinstance(tensor_parallel_size, bool)
+            or tensor_parallel_size < 1
+        ):
             raise ValueError(
                 f"ZStackZero3Strategy(tensor_parallel_size=...) must be an int >= 1 dividing the world size, "
                 f"got {tensor_parallel_size!r}"
@@ -184,7 +188,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             start_method=start_method,
         )
         if not isinstance(checkpoint, CheckpointPolicy):
-            raise TypeError(f"ZStackZero3Strategy(checkpoint=...) expects a CheckpointPolicy, got {type(checkpoint).__name__}")
+            raise TypeError(
+                f"ZStackZero3Strategy(checkpoint=...) expects a CheckpointPolicy, got {type(checkpoint).__name__}"
+            )
         self.deepspeed: DeepSpeedSettings | None = None
         if config is not None:
             self.deepspeed = from_deepspeed_config(config)
@@ -305,7 +311,8 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             return
         old = engine.config
         differs = [
-            name for name in ("stage", "offload_optimizer", "offload_params", "unit_modules")
+            name
+            for name in ("stage", "offload_optimizer", "offload_params", "unit_modules")
             if getattr(old, name) != getattr(config, name)
         ]
         if engine.world_size * self.tensor_parallel_size != self.world_size or self.tensor_parallel_size > 1:
@@ -332,7 +339,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         if ds.precision is None and plugin.precision != "32-true":
             wrong.append(f"Trainer(precision={plugin.precision!r}) but the config enables neither bf16 nor fp16")
         if ds.gradient_clipping and (trainer.gradient_clip_val or 0) != ds.gradient_clipping:
-            wrong.append(f"gradient_clipping={ds.gradient_clipping}: use Trainer(gradient_clip_val={ds.gradient_clipping})")
+            wrong.append(
+                f"gradient_clipping={ds.gradient_clipping}: use Trainer(gradient_clip_val={ds.gradient_clipping})"
+            )
         gas = ds.gradient_accumulation_steps
         if gas is not None and gas != trainer.accumulate_grad_batches:
             wrong.append(f"gradient_accumulation_steps={gas}: use Trainer(accumulate_grad_batches={gas})")
@@ -347,15 +356,25 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         if ds is None or trainer is None:
             return
         loader = trainer.train_dataloader
-        micro = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
+        micro = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(
+            loader, "batch_size", None
+        )
         world = self.num_nodes * self.num_processes
         wrong = []
-        if ds.train_micro_batch_size_per_gpu is not None and micro is not None and micro != ds.train_micro_batch_size_per_gpu:
-            wrong.append(f"train_micro_batch_size_per_gpu={ds.train_micro_batch_size_per_gpu} but the loader's batch size is {micro}")
+        if (
+            ds.train_micro_batch_size_per_gpu is not None
+            and micro is not None
+            and micro != ds.train_micro_batch_size_per_gpu
+        ):
+            wrong.append(
+                f"train_micro_batch_size_per_gpu={ds.train_micro_batch_size_per_gpu} but the loader's batch size is {micro}"
+            )
         if ds.train_batch_size is not None and micro is not None:
             actual = micro * trainer.accumulate_grad_batches * world
             if actual != ds.train_batch_size:
-                wrong.append(f"train_batch_size={ds.train_batch_size} but micro-batch x accumulation x ranks = {actual}")
+                wrong.append(
+                    f"train_batch_size={ds.train_batch_size} but micro-batch x accumulation x ranks = {actual}"
+                )
         if wrong:
             raise ValueError("DeepSpeed config and the training setup disagree: " + "; ".join(wrong))
 
@@ -366,7 +385,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
                 f"ZeroConfig.mixed_precision.param_dtype={wanted!r} contradicts Trainer(precision="
                 f"{plugin.precision!r}); leave param_dtype unset and choose the precision on the Trainer"
             )
-        policy = MixedPrecisionPolicy(param_dtype=plugin.param_dtype, reduce_dtype=self.zero.mixed_precision.reduce_dtype)
+        policy = MixedPrecisionPolicy(
+            param_dtype=plugin.param_dtype, reduce_dtype=self.zero.mixed_precision.reduce_dtype
+        )
         return ZeroConfig(**{**self.zero.__dict__, "mixed_precision": policy})
 
     @override
@@ -477,8 +498,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         """``self.log(..., sync_dist=True)`` reduces over the data-parallel group by default: TP peers hold the same
         replica, so a world-wide sum would count each replica ``tensor_parallel_size`` times."""
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group,
-                                          reduce_op=reduce_op)
+            return _sync_ddp_if_available(
+                tensor, group if group is not None else self.data_parallel_group, reduce_op=reduce_op
+            )
         return tensor
 
     # ---------------------------------------------------------------- checkpoints: see [Note: checkpoints here]
@@ -514,11 +536,17 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._sharded():
-            if storage_options is not None or type(self.checkpoint_io) is not TorchCheckpointIO or "://" in str(filepath):
+            if (
+                storage_options is not None
+                or type(self.checkpoint_io) is not TorchCheckpointIO
+                or "://" in str(filepath)
+            ):
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return self._save_full_durably(checkpoint, Path(filepath))
         if storage_options is not None:
-            raise TypeError("zstack_zero3 sharded checkpoints do not take storage_options (use a local or mounted path)")
+            raise TypeError(
+                "zstack_zero3 sharded checkpoints do not take storage_options (use a local or mounted path)"
+            )
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         engine = self._engine
         if engine is None:
@@ -606,16 +634,22 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             cls.strategy_name, cls, description="ZeRO stage 3: parameters, gradients and optimizer state sharded"
         )
         strategy_registry.register(
-            "zstack_zero3_offload", cls, description="ZeRO-3 with optimizer state and fp32 masters on the CPU (CPU Adam)",
+            "zstack_zero3_offload",
+            cls,
+            description="ZeRO-3 with optimizer state and fp32 masters on the CPU (CPU Adam)",
             zero=ZeroConfig(offload_optimizer=CPUOffload()),
         )
         strategy_registry.register(
-            "zstack_zero3_nvme", cls,
+            "zstack_zero3_nvme",
+            cls,
             description="ZeRO-Infinity: optimizer state and parameter shards swapped to NVMe (temp dir by default)",
             zero=ZeroConfig(offload_optimizer=NVMeOffload(), offload_params=NVMeOffload()),
         )
         strategy_registry.register(
-            "zstack_zero2", cls, description="ZeRO stage 2: gradients and optimizer state sharded", zero=ZeroConfig(stage=2)
+            "zstack_zero2",
+            cls,
+            description="ZeRO stage 2: gradients and optimizer state sharded",
+            zero=ZeroConfig(stage=2),
         )
         strategy_registry.register(
             "zstack_zero1", cls, description="ZeRO stage 1: optimizer state sharded", zero=ZeroConfig(stage=1)
@@ -628,13 +662,23 @@ def _merge_deepspeed(
     """``zero``/``checkpoint`` with the DeepSpeed config's settings applied on top (a setting counts as given by the
     config when it differs from zlightning's default), and one line naming what came from where."""
     default = ZeroConfig()
-    from_config = {f.name: getattr(ds.zero, f.name) for f in dataclasses.fields(ZeroConfig)
-                   if getattr(ds.zero, f.name) != getattr(default, f.name)}
-    kept = [f.name for f in dataclasses.fields(ZeroConfig)
-            if getattr(zero, f.name) != getattr(default, f.name) and f.name not in from_config]
-    replaced = [f.name for f in dataclasses.fields(ZeroConfig)
-                if f.name in from_config and getattr(zero, f.name) != getattr(default, f.name)
-                and getattr(zero, f.name) != from_config[f.name]]
+    from_config = {
+        f.name: getattr(ds.zero, f.name)
+        for f in dataclasses.fields(ZeroConfig)
+        if getattr(ds.zero, f.name) != getattr(default, f.name)
+    }
+    kept = [
+        f.name
+        for f in dataclasses.fields(ZeroConfig)
+        if getattr(zero, f.name) != getattr(default, f.name) and f.name not in from_config
+    ]
+    replaced = [
+        f.name
+        for f in dataclasses.fields(ZeroConfig)
+        if f.name in from_config
+        and getattr(zero, f.name) != getattr(default, f.name)
+        and getattr(zero, f.name) != from_config[f.name]
+    ]
     if ds.checkpoint != CheckpointPolicy():
         checkpoint = ds.checkpoint
     if not kept and not replaced:

@@ -39,13 +39,23 @@ class RankForker:
         self.world_size = world_size
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, str(ROOT)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
             env={**os.environ, **(env or {})},
         )
         self.pids: list[int] = []
 
-    def start(self, target: str, log_dir: Path, env: dict[str, str] | None = None,
-              rank_env: list[dict[str, str]] | None = None, torchrun_env: bool = True, **kwargs: Any) -> list[int]:
+    def start(
+        self,
+        target: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        rank_env: list[dict[str, str]] | None = None,
+        torchrun_env: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
         """Forks the ranks of one run of ``target`` (``"module:function"``, called as ``fn(rank, world, **kwargs)``);
         rank ``r`` writes its output to ``log_dir/rank<r>.log``. Returns the ranks' process ids.
 
@@ -54,9 +64,15 @@ class RankForker:
             torchrun_env: set ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/... as torchrun does (False: only
                 ``MASTER_ADDR``/``MASTER_PORT``, for tests that set another launcher's variables).
         """
-        command = {"target": target, "kwargs": kwargs, "log_dir": str(log_dir), "env": env or {},
-                   "rank_env": rank_env or [{}] * self.world_size, "torchrun": torchrun_env,
-                   "world_size": self.world_size}
+        command = {
+            "target": target,
+            "kwargs": kwargs,
+            "log_dir": str(log_dir),
+            "env": env or {},
+            "rank_env": rank_env or [{}] * self.world_size,
+            "torchrun": torchrun_env,
+            "world_size": self.world_size,
+        }
         self._send(command)
         self.pids = [int(p) for p in self._read(120.0).split()[1:]]
         return self.pids
@@ -76,7 +92,9 @@ class RankForker:
             self.kill()
             line = self._read(30.0)
             statuses = [int(s) for s in line.split()[1:]]
-            raise TimeoutError(f"the run did not end within {timeout:.0f} s (statuses after SIGKILL: {statuses})") from None
+            raise TimeoutError(
+                f"the run did not end within {timeout:.0f} s (statuses after SIGKILL: {statuses})"
+            ) from None
         return [int(s) for s in line.split()[1:]]
 
     def close(self) -> None:
@@ -139,8 +157,9 @@ def _rank(command: dict[str, Any], rank: int, port: int) -> None:
         world = int(command["world_size"])
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if command["torchrun"]:
-            os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-                              LOCAL_WORLD_SIZE=str(world))
+            os.environ.update(
+                WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world)
+            )
         os.environ.update(**command["env"], **command["rank_env"][rank])
         log_dir = Path(command["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ def state_after_fit(module: torch.nn.Module, prefix: str = "") -> dict[str, torc
     from zlightning.zero import engine_of, full_state_dict
 
     sd = full_state_dict(module) if engine_of(module) is not None else module.state_dict()
-    return {k[len(prefix):]: v.detach().clone() for k, v in sd.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v.detach().clone() for k, v in sd.items() if k.startswith(prefix)}
 
 
 def loader(n_batches: int, micro_batch: int, world: int) -> DataLoader:

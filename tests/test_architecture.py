@@ -7,8 +7,15 @@ import sys
 
 import pytest
 
-ENGINES = ["zlightning.zero", "zlightning.pipe", "zlightning.compression", "zlightning.compile", "zlightning.inject",
-           "zlightning.kernels", "zlightning.parallel"]
+ENGINES = [
+    "zlightning.zero",
+    "zlightning.pipe",
+    "zlightning.compression",
+    "zlightning.compile",
+    "zlightning.inject",
+    "zlightning.kernels",
+    "zlightning.parallel",
+]
 
 
 def _run(code: str) -> str:
@@ -34,8 +41,16 @@ _ORDERS = {
 @pytest.mark.parametrize("order", sorted(_ORDERS))
 def test_importing_zlightning_registers_the_strategies_in_any_order(order: str) -> None:
     imports = _ORDERS[order]
-    out = _run(f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
-               "print(sorted(n for n in StrategyRegistry if n.startswith('zstack')))")
-    for name in ("zstack_zero3", "zstack_zero3_offload", "zstack_zero3_nvme", "zstack_zero1", "zstack_zero2",
-                 "zstack_pipeline"):
+    out = _run(
+        f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+        "print(sorted(n for n in StrategyRegistry if n.startswith('zstack')))"
+    )
+    for name in (
+        "zstack_zero3",
+        "zstack_zero3_offload",
+        "zstack_zero3_nvme",
+        "zstack_zero1",
+        "zstack_zero2",
+        "zstack_pipeline",
+    ):
         assert name in out, out

@@ -23,10 +23,14 @@ def test_charts_render_from_the_stored_results(kind: str, tmp_path: Path) -> Non
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_memory_chart_and_missing_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    record = {"config": {"world": 2}, "numel": 1_000_000, "results": {
-        "ddp": {"bytes_per_param": {"1": 17.0, "3": 18.0}}, "deepspeed": {"status": "error"}}}
+def test_memory_chart_and_missing_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = {
+        "config": {"world": 2},
+        "numel": 1_000_000,
+        "results": {"ddp": {"bytes_per_param": {"1": 17.0, "3": 18.0}}, "deepspeed": {"status": "error"}},
+    }
     if _plots._pyplot() is not None:
         assert _plots.write_png("memory", record, tmp_path / "memory.png") == tmp_path / "memory.png"
     monkeypatch.setattr(_plots, "_pyplot", lambda: None)

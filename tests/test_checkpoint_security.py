@@ -50,8 +50,13 @@ class _Mode(enum.Enum):
 
 
 def _hparams() -> dict[str, Any]:
-    return {"lr": 0.1, "ns": argparse.Namespace(layers=2), "root": Path("runs"), "mode": _Mode.FAST,
-            "ids": np.arange(3)}
+    return {
+        "lr": 0.1,
+        "ns": argparse.Namespace(layers=2),
+        "root": Path("runs"),
+        "mode": _Mode.FAST,
+        "ids": np.arange(3),
+    }
 
 
 def _plant(file: Path, marker: Path, key: str = "planted") -> None:
@@ -79,7 +84,10 @@ def _assert_refused(msg: str, file: str, opt_in: str) -> None:
 def _cli_consolidate(ckpt: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "zlightning.cli", "consolidate", str(ckpt), str(out), "--no-progress", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -106,8 +114,13 @@ def _load_zero(rank: int, world: int, attempts: list[tuple[str, bool | None]]) -
             client = load_sharded(zero.state, [zero.optimizer], path, weights_only=weights_only)
         except UnsafeCheckpointError as err:
             after = zero.module_state_dict()
-            out.append({"error": str(err), "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
-                        "optimizer_empty": not zero.optimizer.state})
+            out.append(
+                {
+                    "error": str(err),
+                    "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
+                    "optimizer_empty": not zero.optimizer.state,
+                }
+            )
             continue
         out.append({"client": client, "model": zero.module_state_dict()})
     return out
@@ -119,8 +132,11 @@ def test_sharded_zero_checkpoint(tmp_path: Path) -> None:
     saved = run_distributed(_save_zero, 2, str(honest), timeout=180)[0]
     assert (honest / "client_objects.pt").is_file()  # the enum hyper-parameter's original value
     planted_client, planted_rank, legacy = tmp_path / "planted_client", tmp_path / "planted_rank", tmp_path / "legacy"
-    for copy, file, version in ((planted_client, "client_state.pt", None), (planted_rank, "rank_00000.pt", None),
-                                (legacy, "client_state.pt", 1)):
+    for copy, file, version in (
+        (planted_client, "client_state.pt", None),
+        (planted_rank, "rank_00000.pt", None),
+        (legacy, "client_state.pt", 1),
+    ):
         shutil.copytree(honest, copy)
         _plant(copy / file, marker)
         _reseal(copy, version)
@@ -182,11 +198,18 @@ def _mode_for(kind: str) -> Any:
 
 def _zero_trainer(kind: str, **kwargs: Any) -> pl.Trainer:
     from zlightning.strategies import ZStackZero3Strategy
+
     from zlightning.zero import CheckpointPolicy
 
     base: dict[str, Any] = dict(
-        strategy=ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type=kind)), accelerator="cpu", devices=2,
-        max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type=kind)),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     return pl.Trainer(**{**base, **kwargs})
 
@@ -194,8 +217,10 @@ def _zero_trainer(kind: str, **kwargs: Any) -> pl.Trainer:
 def _save_lightning_zero(rank: int, world: int, root: str) -> None:
     for kind in ("sharded", "full"):
         pl.seed_everything(0, verbose=False)
-        callbacks = [ModelCheckpoint(dirpath=os.path.join(root, kind), monitor="val_loss", save_last=True),
-                     EarlyStopping("val_loss", patience=3)]
+        callbacks = [
+            ModelCheckpoint(dirpath=os.path.join(root, kind), monitor="val_loss", save_last=True),
+            EarlyStopping("val_loss", patience=3),
+        ]
         _zero_trainer(kind, callbacks=callbacks).fit(_module(_mode_for(kind)), loader(2, 2, world), loader(1, 2, world))
 
 
@@ -230,10 +255,12 @@ def zero3_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_zero3_ckpt_path_refuses_planted_checkpoints(zero3_checkpoints: Path) -> None:
     root = zero3_checkpoints
-    attempts = [("sharded", str(root / "sharded" / "last.ckpt"), None),
-                ("full", str(root / "full" / "last.ckpt"), None),
-                ("sharded", str(root / "planted_sharded"), None),
-                ("full", str(root / "planted_full.ckpt"), None)]
+    attempts = [
+        ("sharded", str(root / "sharded" / "last.ckpt"), None),
+        ("full", str(root / "full" / "last.ckpt"), None),
+        ("sharded", str(root / "planted_sharded"), None),
+        ("full", str(root / "planted_full.ckpt"), None),
+    ]
     for honest_sharded, honest_full, refused_sharded, refused_full in run_distributed(
         _resume_lightning_zero, 2, attempts, init_process_group=False, timeout=400
     ):
@@ -326,12 +353,22 @@ class _PipeHparams(pl.LightningModule):
 def _pipe_fit(root: str, ckpt: str | None, weights_only: bool | None = None) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        strategy="zstack_pipeline", accelerator="cpu", devices=2, max_epochs=1 if ckpt is None else 2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy="zstack_pipeline",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1 if ckpt is None else 2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     data = torch.utils.data.TensorDataset(torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(0)))
-    trainer.fit(_PipeHparams(mode=_Mode.FAST), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt,
-                weights_only=weights_only)
+    trainer.fit(
+        _PipeHparams(mode=_Mode.FAST),
+        torch.utils.data.DataLoader(data, batch_size=4),
+        ckpt_path=ckpt,
+        weights_only=weights_only,
+    )
     return trainer
 
 
@@ -366,8 +403,17 @@ def test_compression_export_refuses_planted_pickle(tmp_path: Path) -> None:
     from zlightning.compression import load_compressed
 
     marker, path = tmp_path / "MARKER", tmp_path / "export.pt"
-    torch.save({"format": "zlightning.compressed.v1", "tensors": {}, "quantized": {}, "aliases": {}, "attributes": {},
-                "planted": _Planted(marker)}, path)
+    torch.save(
+        {
+            "format": "zlightning.compressed.v1",
+            "tensors": {},
+            "quantized": {},
+            "aliases": {},
+            "attributes": {},
+            "planted": _Planted(marker),
+        },
+        path,
+    )
     with pytest.raises(UnsafeCheckpointError, match="not written by zlightning") as info:
         load_compressed(path, torch.nn.Linear(2, 2))
     _assert_refused(str(info.value), "export.pt", "")
@@ -388,8 +434,9 @@ def _as_numpy_1(path: Path) -> None:
 
 @pytest.mark.parametrize("numpy_1", [False, True])
 def test_deepspeed_sampler_state_loads_without_running_code(tmp_path: Path, numpy_1: bool) -> None:
-    from tests.test_curriculum_deepspeed_state import _config, _deepspeed_0_19_8_checkpoint, _sampler, _take
     from zlightning.datamodules import read_deepspeed_sampler_state
+
+    from tests.test_curriculum_deepspeed_state import _config, _deepspeed_0_19_8_checkpoint, _sampler, _take
 
     state, _ = _deepspeed_0_19_8_checkpoint(tmp_path, 4, 2)
     # As DeepSpeed pickles it: numpy scalars among the ids and counters, the global numpy RNG state (an array).
@@ -416,18 +463,31 @@ def test_deepspeed_sampler_state_loads_without_running_code(tmp_path: Path, nump
 
 
 def test_real_deepspeed_sampler_file_loads_weights_only(tmp_path: Path) -> None:
-    from tests.test_curriculum_deepspeed_state import _DS_SCRIPT, _DS_VENV_PYTHON, _config, _sampler
     from zlightning.datamodules import read_deepspeed_sampler_state
+
+    from tests.test_curriculum_deepspeed_state import _DS_SCRIPT, _DS_VENV_PYTHON, _config, _sampler
 
     if not _DS_VENV_PYTHON.exists():
         pytest.skip("needs benchmarks/.venv-deepspeed (setup_deepspeed_venv.sh)")
     cfg = _config(tmp_path, tmp_path / "ds_clusters", step=2, total=40)
     ds_cfg = {"enabled": True, **cfg, "data_sampling": {**cfg["data_sampling"], "enabled": True}}
-    env = {"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000),
+    }
     out = tmp_path / "mp_rank_00_model_states.pt"
-    proc = subprocess.run([str(_DS_VENV_PYTHON), "-c", _DS_SCRIPT, json.dumps(ds_cfg), str(out), "23"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(_DS_VENV_PYTHON), "-c", _DS_SCRIPT, json.dumps(ds_cfg), str(out), "23"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = read_deepspeed_sampler_state(out)
     s = _sampler(cfg, b=4, A=2)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from zlightning.kernels import DeepSpeedIOEngine
+
 from zlightning.zero._offload_config import NVMeOffload
 from zlightning.zero._swap_io import SWAP_ROOT, SwapDirectory, SwapPathError, make_swap_io
 
@@ -48,8 +48,9 @@ def test_swap_folders_and_files_are_private(tmp_path: Path, open_umask: None) ->
         folder.close()
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
-                    reason="needs root to hand a folder to another uid")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to hand a folder to another uid"
+)
 def test_swap_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     base = tmp_path / SWAP_ROOT
     base.mkdir()

@@ -48,8 +48,12 @@ def _attribute_docs(cls: type) -> dict[str, str]:
         raise AssertionError(f"{cls.__name__}: expected a class definition, got {type(body).__name__}")
     docs: dict[str, str] = {}
     for node, after in zip(body.body, body.body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
             docs[node.target.id] = str(after.value.value)
     return docs
 
@@ -137,8 +141,15 @@ def _events_files(save_dir: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_fit_end_to_end_two_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["fit", "--config", CONFIG, *TINY, "--trainer.max_steps=3", "--trainer.val_check_interval=3",
-            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}"]
+    args = [
+        "fit",
+        "--config",
+        CONFIG,
+        *TINY,
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3",
+        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
+    ]
     result = _run_cli(args, tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -207,8 +218,17 @@ def test_strategy_typo_suggests_the_registered_name(capsys: pytest.CaptureFixtur
 
 
 def test_sizes_accept_integral_floats_and_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _run_main(["fit", "--config", CONFIG, "--trainer.strategy.zero.prefetch_bucket_size=5e7",
-                     "--trainer.strategy.zero.reduce_bucket_size=50M", "--print_config"], capsys)
+    out = _run_main(
+        [
+            "fit",
+            "--config",
+            CONFIG,
+            "--trainer.strategy.zero.prefetch_bucket_size=5e7",
+            "--trainer.strategy.zero.reduce_bucket_size=50M",
+            "--print_config",
+        ],
+        capsys,
+    )
     zero = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]["zero"]
     assert zero["prefetch_bucket_size"] == 50_000_000 and zero["reduce_bucket_size"] == 50_000_000
     with pytest.raises(SystemExit):
@@ -237,27 +257,41 @@ def test_offload_name_over_the_yaml_keeps_its_zero_knobs(capsys: pytest.CaptureF
     assert strategy.zero.prefetch_bucket_size == 2_000_000
     assert strategy.zero.offload_optimizer == CPUOffload()
     err = capsys.readouterr().err
-    assert "added zero.offload_optimizer=CPUOffload" in err and "kept zero.prefetch_bucket_size, zero.unit_modules" in err
+    assert (
+        "added zero.offload_optimizer=CPUOffload" in err and "kept zero.prefetch_bucket_size, zero.unit_modules" in err
+    )
     assert _strategy_over_config(block, "ddp") is None
     assert "replaces the config's ZStackZero3Strategy (its init_args are not used: zero)" in capsys.readouterr().err
 
 
-def test_deepspeed_config_over_the_yaml_merges(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_deepspeed_config_over_the_yaml_merges(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     import json
 
     from zlightning.strategies import ZStackZero3Strategy
+
     from zlightning.zero import CPUOffload
 
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                    "stage3_prefetch_bucket_size": 1000000}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu"},
+                    "stage3_prefetch_bucket_size": 1000000,
+                }
+            }
+        )
+    )
     out = _run_main(["fit", "--config", CONFIG, f"--trainer.strategy.config={ds}", "--print_config"], capsys)
     init_args = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]
     assert init_args["config"] == str(ds) and init_args["zero"]["unit_modules"] == ["Block"]
     with caplog.at_level("INFO"):
-        strategy = ZStackZero3Strategy(ZeroConfig(unit_modules=("Block",), prefetch_bucket_size=2_000_000),
-                                       config=str(ds))
+        strategy = ZStackZero3Strategy(
+            ZeroConfig(unit_modules=("Block",), prefetch_bucket_size=2_000_000), config=str(ds)
+        )
     assert strategy.zero.unit_modules == ("Block",)
     assert strategy.zero.offload_optimizer == CPUOffload() and strategy.zero.prefetch_bucket_size == 1_000_000
     assert "kept from zero=: zero.unit_modules" in caplog.text

@@ -87,8 +87,9 @@ def test_each_pass_is_switchable_and_value_preserving(world1: str) -> None:
         assert set(stats) == set(passes)
         kinds = _kinds(gm)
         torch.testing.assert_close(gm(*_inputs()), ref)
-        first_compute = next(i for i, n in enumerate(gm.graph.nodes)
-                             if n.op == "call_function" and n.target not in (AG, WAIT))
+        first_compute = next(
+            i for i, n in enumerate(gm.graph.nodes) if n.op == "call_function" and n.target not in (AG, WAIT)
+        )
         ags = [i for i, k in enumerate(kinds) if k == "AG"]
         assert len(ags) == (2 if "selective_unshard" in passes else 3)
         if "prefetch" in passes:  # every gather starts before any compute
@@ -154,8 +155,13 @@ def _zero_rank(rank: int, world: int, compiled: bool, steps: int) -> dict:
         zero.step()
         losses.append(float(loss))
         graphs.append(handle.stats.graphs if handle else 0)
-    return {"losses": losses, "state": zero.module_state_dict(), "graphs": graphs,
-            "breaks": sum(counters["graph_break"].values()), "units": len(handle.modules) if handle else 0}
+    return {
+        "losses": losses,
+        "state": zero.module_state_dict(),
+        "graphs": graphs,
+        "breaks": sum(counters["graph_break"].values()),
+        "units": len(handle.modules) if handle else 0,
+    }
 
 
 def test_compiled_zero3_matches_eager_without_recompiles() -> None:

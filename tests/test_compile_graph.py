@@ -20,8 +20,19 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _spec(i: int, kind: str, nbytes: int) -> GroupSpec:
-    return GroupSpec(index=i, kind=kind, unit=f"u{i}", world=2, group_name="g", pad=0, param_dtype=torch.float32,
-                     reduce_dtype=torch.float32, master_dtype=torch.float32, unsharded_bytes=nbytes, views=())
+    return GroupSpec(
+        index=i,
+        kind=kind,
+        unit=f"u{i}",
+        world=2,
+        group_name="g",
+        pad=0,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        master_dtype=torch.float32,
+        unsharded_bytes=nbytes,
+        views=(),
+    )
 
 
 def test_config_validation_for_graph_mode() -> None:
@@ -90,8 +101,9 @@ def _rank(rank: int, world: int, config: CompileConfig | None, steps: int) -> di
 
     counters.clear()
     model = tiny_gpt()
-    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=ZeroConfig(),
-                                         gradient_clipping=1.0)
+    zero = DeepSpeedZeroOptimizer_Stage3(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=ZeroConfig(), gradient_clipping=1.0
+    )
     handle = compile_zero3(zero, config) if config is not None else None
     losses, graphs = [], []
     for batch in batches(steps, global_batch=4 * world):
@@ -102,15 +114,26 @@ def _rank(rank: int, world: int, config: CompileConfig | None, steps: int) -> di
         graphs.append(handle.graphs if handle is not None else 0)
     with torch.no_grad():  # an evaluation pass compiles one inference graph, then reuses it
         evals = [float(gpt_loss(model, b.chunk(world)[rank])) for b in batches(2, global_batch=4 * world, seed=7)]
-    out = {"losses": losses, "state": zero.module_state_dict(), "graphs": graphs, "evals": evals,
-           "breaks": sum(counters["graph_break"].values())}
+    out = {
+        "losses": losses,
+        "state": zero.module_state_dict(),
+        "graphs": graphs,
+        "evals": evals,
+        "breaks": sum(counters["graph_break"].values()),
+    }
     if handle is not None and handle.graph_stats is not None:
         gs = handle.graph_stats
-        out.update(fw=gs.forward_gathers, bw=gs.backward_gathers, rs=gs.backward_reduce_scatters,
-                   saved=gs.saved_unit_bytes, n_units=sum(1 for s in handle.specs if s.kind == "unit"),
-                   n_groups=len(handle.specs), unit_bytes=[s.unsharded_bytes for s in handle.specs if s.kind == "unit"],
-                   plan=(handle.plan.budget_bytes, handle.plan.kept, handle.plan.kept_bytes) if handle.plan else None,
-                   graphs_end=handle.graphs)
+        out.update(
+            fw=gs.forward_gathers,
+            bw=gs.backward_gathers,
+            rs=gs.backward_reduce_scatters,
+            saved=gs.saved_unit_bytes,
+            n_units=sum(1 for s in handle.specs if s.kind == "unit"),
+            n_groups=len(handle.specs),
+            unit_bytes=[s.unsharded_bytes for s in handle.specs if s.kind == "unit"],
+            plan=(handle.plan.budget_bytes, handle.plan.kept, handle.plan.kept_bytes) if handle.plan else None,
+            graphs_end=handle.graphs,
+        )
         with pytest.raises(RuntimeError, match="called outside"):  # a unit used behind the compiled graph's back
             model.blocks[0](torch.zeros(1, 4, 32))
         handle.restore()  # back to the eager engine: its hooks gather again and training continues
@@ -155,8 +178,9 @@ def test_graph_mode_matches_eager_zero3_with_collectives_in_the_graph(eager_refe
 def test_graph_mode_budget_keeps_units_within_the_budget(eager_reference: list[dict[str, Any]]) -> None:
     eager = eager_reference
     budget = 0.7  # room for two of the three equal blocks
-    graph = run_distributed(_rank, 2, CompileConfig(mode="graph", inner="aot_eager", unshard_budget=budget), STEPS,
-                            timeout=400)
+    graph = run_distributed(
+        _rank, 2, CompileConfig(mode="graph", inner="aot_eager", unshard_budget=budget), STEPS, timeout=400
+    )
     _assert_parity(eager, graph)
     plans = {c["plan"] for c in graph}
     assert len(plans) == 1  # every rank made the same (measured, MAX-reduced) choice
@@ -169,10 +193,10 @@ def test_graph_mode_budget_keeps_units_within_the_budget(eager_reference: list[d
 
 def _fit(rank: int, world: int, compile_cfg: CompileConfig | bool) -> dict[str, Any]:
     import lightning.pytorch as pl
+    from zlightning.strategies import ZStackZero3Strategy
 
     import zlightning  # noqa: F401
     from tests._lightning_models import TinyGPTModule, loader, state_after_fit
-    from zlightning.strategies import ZStackZero3Strategy
 
     torch._dynamo.reset()
     pl.seed_everything(0, verbose=False)
@@ -185,19 +209,35 @@ def _fit(rank: int, world: int, compile_cfg: CompileConfig | bool) -> dict[str, 
             handle = strategy._compiled
             seen.append((handle.mode, handle.graphs) if handle is not None else ("eager", 0))
 
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=3, logger=False,
-                         callbacks=[_Graphs()], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=3)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=3,
+        logger=False,
+        callbacks=[_Graphs()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        val_check_interval=3,
+    )
     trainer.fit(module, train_dataloaders=loader(3, 2, world), val_dataloaders=loader(2, 2, world))
-    return {"losses": module.losses, "seen": seen, "val": float(trainer.callback_metrics["val_loss"]),
-            "state": state_after_fit(module, "model.")}
+    return {
+        "losses": module.losses,
+        "seen": seen,
+        "val": float(trainer.callback_metrics["val_loss"]),
+        "state": state_after_fit(module, "model."),
+    }
 
 
 def test_graph_mode_through_the_lightning_strategy() -> None:
     """The strategy compiles the LightningModule's model (the graph target below the root); matches eager zstack."""
     eager = run_distributed(_fit, 2, False, init_process_group=False, timeout=300)
-    graph = run_distributed(_fit, 2, CompileConfig(mode="graph", inner="aot_eager"), init_process_group=False,
-                            timeout=400)
+    graph = run_distributed(
+        _fit, 2, CompileConfig(mode="graph", inner="aot_eager"), init_process_group=False, timeout=400
+    )
     for e, c in zip(eager, graph):
         assert c["seen"] == [("graph", 1)] * 3  # graph mode, one graph, no recompiles
         torch.testing.assert_close(c["losses"], e["losses"], rtol=1e-4, atol=1e-5)
@@ -215,8 +255,9 @@ def _modes(rank: int, world: int) -> dict[str, Any]:
     suspended = len(plain.state.engine_hook_ids())
     plain.state.resume_module_hooks()
     model = tiny_gpt()
-    offloaded = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters()),
-                                              config=ZeroConfig(offload_optimizer=CPUOffload()))
+    offloaded = DeepSpeedZeroOptimizer_Stage3(
+        model, torch.optim.AdamW(model.parameters()), config=ZeroConfig(offload_optimizer=CPUOffload())
+    )
     auto = compile_zero3(offloaded, CompileConfig(mode="auto", inner="aot_eager"))
     mode = auto.mode
     auto.restore()

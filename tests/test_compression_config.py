@@ -38,14 +38,20 @@ def _ds(**techniques: dict) -> dict:
     return {"compression_training": techniques}
 
 
-WQ = {"shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_groups": 1},
-      "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8}}}}
+WQ = {
+    "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_groups": 1},
+    "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8}}},
+}
 
 
 def test_deepspeed_dict_and_json_path(tmp_path) -> None:
-    ds = _ds(weight_quantization=WQ, sparse_pruning={
-        "shared_parameters": {"enabled": True, "method": "topk", "schedule_offset": 3},
-        "different_groups": {"sp1": {"params": {"dense_ratio": 0.25}, "modules": ["fc1"]}}})
+    ds = _ds(
+        weight_quantization=WQ,
+        sparse_pruning={
+            "shared_parameters": {"enabled": True, "method": "topk", "schedule_offset": 3},
+            "different_groups": {"sp1": {"params": {"dense_ratio": 0.25}, "modules": ["fc1"]}},
+        },
+    )
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, **ds}))
     for source in (ds, ds["compression_training"], str(path)):
@@ -64,13 +70,19 @@ def test_duplicate_json_keys_rejected(tmp_path) -> None:
 
 
 def test_unknown_keys_listed_in_one_error() -> None:
-    bad = {"shared_parameters": {**WQ["shared_parameters"], "schedule_ofset": 5},
-           "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8, "bitz": 4}, "modulez": []}}}
+    bad = {
+        "shared_parameters": {**WQ["shared_parameters"], "schedule_ofset": 5},
+        "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8, "bitz": 4}, "modulez": []}},
+    }
     with pytest.raises(UnknownCompressionKeysError) as err:
         CompressionConfig.from_deepspeed(_ds(weight_quantization=bad, row_prunning={}))
     msg = str(err.value)
-    for key in ("compression_training.row_prunning", "weight_quantization.shared_parameters.schedule_ofset",
-                "different_groups.wq1.params.bitz", "different_groups.wq1.modulez"):
+    for key in (
+        "compression_training.row_prunning",
+        "weight_quantization.shared_parameters.schedule_ofset",
+        "different_groups.wq1.params.bitz",
+        "different_groups.wq1.modulez",
+    ):
         assert key in msg
 
 
@@ -81,8 +93,19 @@ def test_missing_required_and_bad_values() -> None:
     with pytest.raises(ValueError, match="dense_ratio"):
         PruneGroup(dense_ratio=0.0)
     with pytest.raises(ValueError, match="snip_momentum.*not supported"):  # its own keys are known, not "unknown"
-        CompressionConfig.from_deepspeed(_ds(sparse_pruning={"shared_parameters": {
-            "enabled": True, "method": "snip_momentum", "block_pattern": "4x1", "dense_ratio": 0.1}, "different_groups": {}}))
+        CompressionConfig.from_deepspeed(
+            _ds(
+                sparse_pruning={
+                    "shared_parameters": {
+                        "enabled": True,
+                        "method": "snip_momentum",
+                        "block_pattern": "4x1",
+                        "dense_ratio": 0.1,
+                    },
+                    "different_groups": {},
+                }
+            )
+        )
     with pytest.raises(ValueError, match="no different_groups"):
         CompressionConfig.from_deepspeed(_ds(row_pruning={"shared_parameters": {"enabled": True}}))
 
@@ -113,16 +136,29 @@ def test_documented_defaults_are_the_code_defaults() -> None:
     assert checked > 30
     # DeepSpeed's code defaults, kept and documented (its docs said 0 / "static")
     assert SparsePruningConfig().schedule_offset == 1000
-    parsed = CompressionConfig.from_deepspeed(_ds(sparse_pruning={
-        "shared_parameters": {"enabled": True}, "different_groups": {"g": {"params": {"dense_ratio": 0.5}}}}))
+    parsed = CompressionConfig.from_deepspeed(
+        _ds(
+            sparse_pruning={
+                "shared_parameters": {"enabled": True},
+                "different_groups": {"g": {"params": {"dense_ratio": 0.5}}},
+            }
+        )
+    )
     assert parsed.sparse_pruning.schedule_offset == SparsePruningConfig().schedule_offset
 
 
 def test_omitted_modules_means_all_compressible_modules() -> None:
     """Upstream bug: omitted modules became the regex '*' and crashed with re.error."""
-    model = init_compression(Net(), _ds(weight_quantization=WQ, sparse_pruning={
-        "shared_parameters": {"enabled": True, "schedule_offset": 0},
-        "different_groups": {"sp1": {"params": {"dense_ratio": 0.5}}}}))
+    model = init_compression(
+        Net(),
+        _ds(
+            weight_quantization=WQ,
+            sparse_pruning={
+                "shared_parameters": {"enabled": True, "schedule_offset": 0},
+                "different_groups": {"sp1": {"params": {"dense_ratio": 0.5}}},
+            },
+        ),
+    )
     assert model.emb.weight_quantization is not None  # Embedding: weight quantization only
     assert model.fc1.sparse_pruning is not None and model.fc2.sparse_pruning is not None
     assert getattr(model.emb, "sparse_pruning", None) is None
@@ -144,8 +180,10 @@ def test_sparse_pruning_past_offset_does_not_raise_keyerror() -> None:
 def test_module_matched_twice_is_a_clear_error(where: str) -> None:
     model = Net()
     if where == "two groups":
-        groups = {"a": {"params": {"dense_ratio": 0.5}, "modules": ["fc"]},
-                  "b": {"params": {"dense_ratio": 0.5}, "modules": ["fc2"]}}
+        groups = {
+            "a": {"params": {"dense_ratio": 0.5}, "modules": ["fc"]},
+            "b": {"params": {"dense_ratio": 0.5}, "modules": ["fc2"]},
+        }
     else:
         groups = {"a": {"params": {"dense_ratio": 0.5}, "modules": ["fc1", "fc" if where == "two patterns" else "fc2"]}}
     cfg = _ds(sparse_pruning={"shared_parameters": {"enabled": True}, "different_groups": groups})
@@ -161,20 +199,28 @@ def test_module_matched_twice_is_a_clear_error(where: str) -> None:
         init_compression(model, cfg)
         overlapping = {"a": {"params": {"dense_ratio": 0.5}, "modules": ["fc1", "1"]}}
         with pytest.raises(ValueError, match="'fc1' is matched by group"):
-            redundancy_clean(model, _ds(sparse_pruning={"shared_parameters": {"enabled": True},
-                                                         "different_groups": overlapping}))
+            redundancy_clean(
+                model, _ds(sparse_pruning={"shared_parameters": {"enabled": True}, "different_groups": overlapping})
+            )
 
 
 def test_wrong_type_and_unmatched_patterns() -> None:
     with pytest.raises(ValueError, match="unsupported type.*emb \\(Embedding\\)"):
-        init_compression(Net(), CompressionConfig(sparse_pruning=SparsePruningConfig(
-            groups=(PruneGroup(name="s", modules=("emb",)),))))
+        init_compression(
+            Net(),
+            CompressionConfig(sparse_pruning=SparsePruningConfig(groups=(PruneGroup(name="s", modules=("emb",)),))),
+        )
     with pytest.raises(ValueError, match="matches no module"):
-        init_compression(Net(), CompressionConfig(sparse_pruning=SparsePruningConfig(
-            groups=(PruneGroup(name="s", modules=("nothing_here",)),))))
+        init_compression(
+            Net(),
+            CompressionConfig(
+                sparse_pruning=SparsePruningConfig(groups=(PruneGroup(name="s", modules=("nothing_here",)),))
+            ),
+        )
     with pytest.raises(ValueError, match="not a valid regex"):
-        init_compression(Net(), CompressionConfig(sparse_pruning=SparsePruningConfig(
-            groups=(PruneGroup(name="s", modules=("*",)),))))
+        init_compression(
+            Net(), CompressionConfig(sparse_pruning=SparsePruningConfig(groups=(PruneGroup(name="s", modules=("*",)),)))
+        )
 
 
 def test_callback_defaults_are_the_config_defaults() -> None:

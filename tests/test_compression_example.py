@@ -17,7 +17,9 @@ CONFIG = Path(__file__).resolve().parent.parent / "examples" / "gpt_compression.
 def test_example_config_trains_logs_and_exports(tmp_path: Path) -> None:
     config = yaml.safe_load(CONFIG.read_text())
     trainer, callbacks = config["trainer"], config["trainer"]["callbacks"]
-    trainer.update(max_steps=3, val_check_interval=2, limit_val_batches=1, log_every_n_steps=1, enable_progress_bar=False)
+    trainer.update(
+        max_steps=3, val_check_interval=2, limit_val_batches=1, log_every_n_steps=1, enable_progress_bar=False
+    )
     trainer["logger"]["init_args"]["save_dir"] = str(tmp_path)
     callbacks[0]["init_args"]["export_path"] = str(tmp_path / "gpt.zlc")
     for callback in callbacks[1:]:
@@ -33,8 +35,11 @@ def test_example_config_trains_logs_and_exports(tmp_path: Path) -> None:
 
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
-    assert {"compression/weight_quantization/bits", "compression/row_pruning/masked_fraction",
-            "compression/sparse_pruning/masked_fraction"} <= set(acc.Tags()["scalars"])
+    assert {
+        "compression/weight_quantization/bits",
+        "compression/row_pruning/masked_fraction",
+        "compression/sparse_pruning/masked_fraction",
+    } <= set(acc.Tags()["scalars"])
     model = GPTLightningModule(**{**config["model"]["init_args"]})
     load_compressed(tmp_path / "gpt.zlc", model)
     mlp = model.model.blocks[0].mlp

@@ -30,8 +30,12 @@ def _gpt() -> GPT:
 def test_int_export_shrinks_and_round_trips(tmp_path, bits: int, min_ratio: float, scheme: str) -> None:
     model = _gpt()
     x = torch.randint(0, 256, (2, 16))
-    wq = WeightQuantizationConfig(schedule_offset=0, quantization_type=scheme, quantize_groups=4,
-                                  groups=(WeightQuantGroup(start_bits=bits, target_bits=bits),))
+    wq = WeightQuantizationConfig(
+        schedule_offset=0,
+        quantization_type=scheme,
+        quantize_groups=4,
+        groups=(WeightQuantGroup(start_bits=bits, target_bits=bits),),
+    )
     init_compression(model, CompressionConfig(weight_quantization=wq))
     apply_schedule(model, 0)
     with torch.no_grad():
@@ -50,11 +54,17 @@ def test_export_after_structured_pruning_loads_into_fresh_model(tmp_path) -> Non
     model = _gpt()
     x = torch.randint(0, 256, (2, 16))
     cfg = CompressionConfig(
-        weight_quantization=WeightQuantizationConfig(schedule_offset=0, quantize_groups=128,
-                                                     groups=(WeightQuantGroup(modules=(r"mlp\.",)),)),
+        weight_quantization=WeightQuantizationConfig(
+            schedule_offset=0, quantize_groups=128, groups=(WeightQuantGroup(modules=(r"mlp\.",)),)
+        ),
         sparse_pruning=SparsePruningConfig(schedule_offset=0, groups=(PruneGroup(name="s", modules=(r"attn\.qkv$",)),)),
-        row_pruning=RowPruningConfig(schedule_offset=0, groups=(PruneGroup(
-            name="r", modules=(r"mlp\.fc$",), dense_ratio=0.25, related_modules=((r"mlp\.proj$",),)),)))
+        row_pruning=RowPruningConfig(
+            schedule_offset=0,
+            groups=(
+                PruneGroup(name="r", modules=(r"mlp\.fc$",), dense_ratio=0.25, related_modules=((r"mlp\.proj$",),)),
+            ),
+        ),
+    )
     init_compression(model, cfg)
     apply_schedule(model, 0)
     with torch.no_grad():
@@ -76,7 +86,9 @@ def test_load_rejects_other_files(tmp_path) -> None:
 def test_stochastic_rounding_trains_noisy_but_exports_nearest(tmp_path) -> None:
     model = _gpt()
     x = torch.randint(0, 256, (2, 16))
-    wq = WeightQuantizationConfig(schedule_offset=0, rounding="stochastic", groups=(WeightQuantGroup(start_bits=4, target_bits=4),))
+    wq = WeightQuantizationConfig(
+        schedule_offset=0, rounding="stochastic", groups=(WeightQuantGroup(start_bits=4, target_bits=4),)
+    )
     init_compression(model, CompressionConfig(weight_quantization=wq))
     apply_schedule(model, 0)
     fc = model.blocks[0].mlp.fc

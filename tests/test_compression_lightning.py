@@ -25,17 +25,25 @@ def _callbacks(export_path: str | None = None) -> list[pl.Callback]:
     from zlightning.callbacks import RowPruning, SparsePruning, WeightQuantization
 
     return [
-        WeightQuantization(r"mlp\.|attn\.qkv", target_bits=4, start_bits=6, quantization_period=1, quantize_groups=4,
-                           schedule_offset=1),
+        WeightQuantization(
+            r"mlp\.|attn\.qkv", target_bits=4, start_bits=6, quantization_period=1, quantize_groups=4, schedule_offset=1
+        ),
         SparsePruning(r"mlp\.fc$", method="topk", dense_ratio=0.5, schedule_offset=2),
         RowPruning(r"attn\.proj$", dense_ratio=0.5, schedule_offset=1, export_path=export_path),
     ]
 
 
 def _trainer(strategy: str, devices: int, **kwargs: Any) -> pl.Trainer:
-    base: dict[str, Any] = dict(strategy=strategy, accelerator="cpu", devices=devices, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                num_sanity_val_steps=0)
+    base: dict[str, Any] = dict(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return pl.Trainer(**{**base, **kwargs})
 
 
@@ -45,7 +53,9 @@ class _ScoreSizes(pl.Callback):
     def __init__(self) -> None:
         self.sizes: list[int] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None:
             self.sizes.append(pl_module.model.blocks[0].mlp.fc.sparse_pruning.scores.numel())
@@ -55,9 +65,9 @@ class _ScoreSizes(pl.Callback):
 
 
 def _rank_fit(rank: int, world: int, strategy: str, export_path: str) -> dict[str, Any]:
-    import zlightning  # noqa: F401  (registers zstack_zero3)
-
     from zlightning.strategies import ZStackZero3Strategy
+
+    import zlightning  # noqa: F401  (registers zstack_zero3)
     from zlightning.zero import ZeroConfig
 
     if strategy == "zstack_zero3":  # shard every parameter, even this tiny model's (no persistent small ones)
@@ -69,8 +79,13 @@ def _rank_fit(rank: int, world: int, strategy: str, export_path: str) -> dict[st
     trainer = _trainer(strategy, world, max_steps=STEPS, accumulate_grad_batches=ACCUM, callbacks=[*callbacks, sizes])
     trainer.fit(module, loader(STEPS * ACCUM, 2, world))
     report = callbacks[-1].export_report
-    return {"score_sizes": sizes.sizes, "losses": module.losses, "state": state_after_fit(module),
-            "ratio": None if report is None else report.ratio, "step": trainer.global_step}
+    return {
+        "score_sizes": sizes.sizes,
+        "losses": module.losses,
+        "state": state_after_fit(module),
+        "ratio": None if report is None else report.ratio,
+        "step": trainer.global_step,
+    }
 
 
 def _reference() -> tuple[TinyGPTModule, list[float]]:
@@ -103,8 +118,9 @@ def test_callbacks_match_single_process_and_export(tmp_path: Any, strategy: str)
     out = run_distributed(_rank_fit, WORLD, strategy, str(path), init_process_group=False, timeout=300)
     ref, ref_losses = _reference()
     # each rank saw half of the global batch: the mean of the two ranks' losses is the reference loss
-    torch.testing.assert_close([(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"])], ref_losses,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"])], ref_losses, rtol=1e-5, atol=1e-5
+    )
     fc = ref.model.blocks[0].mlp.fc
     assert int(fc.sparse_pruning.mask.sum()) == math.ceil(0.5 * fc.weight.numel())
     assert fc.weight_quantization.bits == 4  # 6 bits at offset 1, 5 after 1 step, 4 after 2 more: step 3
@@ -138,7 +154,9 @@ class _Probe(pl.Callback):
     def __init__(self) -> None:
         self.seen: list[tuple[int, bool, int]] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         fc = pl_module.model.blocks[0].mlp.fc
         self.seen.append((trainer.global_step, fc.sparse_pruning.active, fc.weight_quantization.bits))
 
@@ -157,11 +175,15 @@ def test_offsets_count_optimizer_steps_and_tensorboard_logs(tmp_path: Any) -> No
 
     pl.seed_everything(0, verbose=False)
     probe = _Probe()
-    callbacks = [SparsePruning(r"mlp\.fc$", dense_ratio=0.25, schedule_offset=3),
-                 WeightQuantization(target_bits=4, start_bits=8, quantization_period=1, schedule_offset=1), probe]
+    callbacks = [
+        SparsePruning(r"mlp\.fc$", dense_ratio=0.25, schedule_offset=3),
+        WeightQuantization(target_bits=4, start_bits=8, quantization_period=1, schedule_offset=1),
+        probe,
+    ]
     logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
-    trainer = _trainer("auto", 1, max_steps=8, accumulate_grad_batches=3, callbacks=callbacks, logger=logger,
-                       log_every_n_steps=1)
+    trainer = _trainer(
+        "auto", 1, max_steps=8, accumulate_grad_batches=3, callbacks=callbacks, logger=logger, log_every_n_steps=1
+    )
     trainer.fit(TinyGPTModule(), loader(24, 2, 1))
     assert len(probe.seen) == 24 and [s for s, _, _ in probe.seen] == [i // 3 for i in range(24)]
     for step, active, bits in probe.seen:
@@ -181,10 +203,20 @@ def test_deepspeed_config_through_the_callback() -> None:
     from zlightning.callbacks import CompressionCallback
     from zlightning.compression import UnknownCompressionKeysError
 
-    ds = {"compression_training": {"row_pruning": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk"},
-        "different_groups": {"rp1": {"params": {"dense_ratio": 0.5}, "modules": [r"mlp\.fc$"],
-                                     "related_modules": [[r"mlp\.proj$"]]}}}}}
+    ds = {
+        "compression_training": {
+            "row_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk"},
+                "different_groups": {
+                    "rp1": {
+                        "params": {"dense_ratio": 0.5},
+                        "modules": [r"mlp\.fc$"],
+                        "related_modules": [[r"mlp\.proj$"]],
+                    }
+                },
+            }
+        }
+    }
     callback = CompressionCallback(ds, clean_at_end=True)
     module = TinyGPTModule()
     _trainer("auto", 1, max_steps=2, callbacks=[callback]).fit(module, loader(2, 2, 1))
@@ -214,9 +246,14 @@ def test_layer_reduction_with_distillation() -> None:
 
     teacher = TinyGPTModule()  # same module names as the student: "model.blocks.<i>"
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
-    kd = LayerReduction(teacher, module_name_prefix="model.blocks", teacher_layer=(0, 2),
-                        other_module_name=("model.tok_emb", "model.pos_emb", "model.ln_f"), distillation_weight=1.0,
-                        temperature=2.0)
+    kd = LayerReduction(
+        teacher,
+        module_name_prefix="model.blocks",
+        teacher_layer=(0, 2),
+        other_module_name=("model.tok_emb", "model.pos_emb", "model.ln_f"),
+        distillation_weight=1.0,
+        temperature=2.0,
+    )
     with pytest.raises(ValueError, match="module_name_prefix"):
         LayerReduction(teacher, module_name_prefix="", teacher_layer=(0,))
 
@@ -226,7 +263,9 @@ def test_layer_reduction_with_distillation() -> None:
                 for a, b in zip(pl_module.model.blocks[i].parameters(), teacher.model.blocks[t].parameters()):
                     assert torch.equal(a, b)
             for name in ("tok_emb", "pos_emb", "ln_f"):
-                for a, b in zip(pl_module.model.get_submodule(name).parameters(), teacher.model.get_submodule(name).parameters()):
+                for a, b in zip(
+                    pl_module.model.get_submodule(name).parameters(), teacher.model.get_submodule(name).parameters()
+                ):
                     assert torch.equal(a, b)
             self.checked = True
 
@@ -246,8 +285,10 @@ def test_resume_restores_masks_scores_and_schedule(tmp_path: Any) -> None:
     def fit(epochs: int, ckpt: str | None = None) -> tuple[TinyGPTModule, pl.Trainer]:
         pl.seed_everything(0, verbose=False)
         module = TinyGPTModule()
-        callbacks = [SparsePruning(r"mlp\.fc$", dense_ratio=0.5, schedule_offset=1),
-                     RowPruning(r"attn\.proj$", method="topk", dense_ratio=0.5, schedule_offset=3)]
+        callbacks = [
+            SparsePruning(r"mlp\.fc$", dense_ratio=0.5, schedule_offset=1),
+            RowPruning(r"attn\.proj$", method="topk", dense_ratio=0.5, schedule_offset=3),
+        ]
         trainer = _trainer("auto", 1, max_epochs=epochs, callbacks=callbacks)
         trainer.fit(module, loader(2, 2, 1), ckpt_path=ckpt)  # 2 steps per epoch: resume at an epoch end
         return module, trainer

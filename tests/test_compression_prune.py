@@ -19,8 +19,8 @@ from zlightning.compression import (
     WeightQuantizationConfig,
     apply_schedule,
     init_compression,
-    redundancy_clean,
     reduce_layers,
+    redundancy_clean,
 )
 from zlightning.compression._techniques import topk_mask
 
@@ -86,7 +86,9 @@ def test_masks_keep_ceil_dense_ratio(technique: str, ratio: float, units: int, m
     pattern = r"attn\.proj$" if technique == "head" else r"\.fc$"
     group = (PruneGroup(name="g", modules=(pattern,), dense_ratio=ratio),)
     kind = {"sparse": SparsePruningConfig, "row": RowPruningConfig, "head": HeadPruningConfig}[technique]
-    model = init_compression(Stack(), CompressionConfig(**{f"{technique}_pruning": kind(groups=group, method=method, schedule_offset=0)}))
+    model = init_compression(
+        Stack(), CompressionConfig(**{f"{technique}_pruning": kind(groups=group, method=method, schedule_offset=0)})
+    )
     apply_schedule(model, 0)
     model(_x())
     for block in model.blocks:
@@ -96,8 +98,14 @@ def test_masks_keep_ceil_dense_ratio(technique: str, ratio: float, units: int, m
 
 
 def test_l1_mask_keeps_largest_and_is_computed_at_start() -> None:
-    model = init_compression(Stack(1), CompressionConfig(sparse_pruning=SparsePruningConfig(
-        groups=(PruneGroup(name="g", modules=(r"\.fc$",), dense_ratio=0.25),), schedule_offset=3)))
+    model = init_compression(
+        Stack(1),
+        CompressionConfig(
+            sparse_pruning=SparsePruningConfig(
+                groups=(PruneGroup(name="g", modules=(r"\.fc$",), dense_ratio=0.25),), schedule_offset=3
+            )
+        ),
+    )
     fc = model.blocks[0].fc
     with torch.no_grad():
         fc.weight.mul_(2)  # the weights change before the offset: the mask must follow the weights at the offset
@@ -114,8 +122,13 @@ def test_bit_identical_before_offset_and_on_after(offset: int) -> None:
     model = Stack()
     model.load_state_dict(ref.state_dict())
     cfg = CompressionConfig(
-        weight_quantization=WeightQuantizationConfig(schedule_offset=offset, groups=(WeightQuantGroup(target_bits=4, start_bits=4),)),
-        sparse_pruning=SparsePruningConfig(schedule_offset=offset, groups=(PruneGroup(name="s", modules=(r"\.out$",)),)))
+        weight_quantization=WeightQuantizationConfig(
+            schedule_offset=offset, groups=(WeightQuantGroup(target_bits=4, start_bits=4),)
+        ),
+        sparse_pruning=SparsePruningConfig(
+            schedule_offset=offset, groups=(PruneGroup(name="s", modules=(r"\.out$",)),)
+        ),
+    )
     init_compression(model, cfg)
     x = _x()
     for step in range(4):
@@ -127,8 +140,14 @@ def test_bit_identical_before_offset_and_on_after(offset: int) -> None:
 
 
 def test_topk_scores_are_parameters_learn_and_leave_state_dict_after_clean() -> None:
-    model = init_compression(Stack(1), CompressionConfig(row_pruning=RowPruningConfig(
-        method="topk", schedule_offset=0, groups=(PruneGroup(name="r", modules=(r"\.fc$",), dense_ratio=0.5),))))
+    model = init_compression(
+        Stack(1),
+        CompressionConfig(
+            row_pruning=RowPruningConfig(
+                method="topk", schedule_offset=0, groups=(PruneGroup(name="r", modules=(r"\.fc$",), dense_ratio=0.5),)
+            )
+        ),
+    )
     scores = model.blocks[0].fc.row_pruning.scores
     assert any(p is scores for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -143,7 +162,9 @@ def test_topk_scores_are_parameters_learn_and_leave_state_dict_after_clean() -> 
     assert not any("row_pruning" in k for k in model.state_dict())
 
 
-def _compress_and_clean(cfg: CompressionConfig, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+def _compress_and_clean(
+    cfg: CompressionConfig, model: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
     init_compression(model, cfg)
     apply_schedule(model, 10)
     with torch.no_grad():
@@ -154,8 +175,12 @@ def _compress_and_clean(cfg: CompressionConfig, model: nn.Module, x: torch.Tenso
 
 
 def test_row_pruning_clean_removes_rows_and_keeps_outputs() -> None:
-    cfg = CompressionConfig(row_pruning=RowPruningConfig(schedule_offset=0, groups=(PruneGroup(
-        name="r", modules=(r"\.fc$",), dense_ratio=0.3, related_modules=((r"\.out$",),)),)))
+    cfg = CompressionConfig(
+        row_pruning=RowPruningConfig(
+            schedule_offset=0,
+            groups=(PruneGroup(name="r", modules=(r"\.fc$",), dense_ratio=0.3, related_modules=((r"\.out$",),)),),
+        )
+    )
     masked, cleaned, model = _compress_and_clean(cfg, Stack(), _x())
     kept = math.ceil(0.3 * 40)
     for block in model.blocks:
@@ -166,8 +191,15 @@ def test_row_pruning_clean_removes_rows_and_keeps_outputs() -> None:
 
 def test_head_pruning_clean_updates_head_count_and_keeps_outputs() -> None:
     """Upstream bug: head pruning left the head count (and in/out features) stale."""
-    cfg = CompressionConfig(head_pruning=HeadPruningConfig(schedule_offset=0, method="l1", groups=(PruneGroup(
-        name="h", modules=(r"attn\.proj$",), dense_ratio=0.5, related_modules=((r"attn\.qkv$",),)),)))
+    cfg = CompressionConfig(
+        head_pruning=HeadPruningConfig(
+            schedule_offset=0,
+            method="l1",
+            groups=(
+                PruneGroup(name="h", modules=(r"attn\.proj$",), dense_ratio=0.5, related_modules=((r"attn\.qkv$",),)),
+            ),
+        )
+    )
     masked, cleaned, model = _compress_and_clean(cfg, Stack(), _x())
     for block in model.blocks:
         attn = block.attn
@@ -182,8 +214,15 @@ def test_head_pruning_removes_heads_from_the_example_gpt() -> None:
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4, bias=True))
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    cfg = CompressionConfig(head_pruning=HeadPruningConfig(schedule_offset=0, method="l1", groups=(PruneGroup(
-        name="h", modules=(r"attn\.proj$",), dense_ratio=0.5, related_modules=((r"attn\.qkv$",),)),)))
+    cfg = CompressionConfig(
+        head_pruning=HeadPruningConfig(
+            schedule_offset=0,
+            method="l1",
+            groups=(
+                PruneGroup(name="h", modules=(r"attn\.proj$",), dense_ratio=0.5, related_modules=((r"attn\.qkv$",),)),
+            ),
+        )
+    )
     masked, cleaned, model = _compress_and_clean(cfg, gpt, idx)
     for block in model.blocks:
         assert block.attn.n_head == 2
@@ -209,8 +248,12 @@ def test_channel_pruning_with_conv_and_batchnorm() -> None:
         net[1].running_mean.uniform_(-1, 1)
         net[1].running_var.uniform_(0.5, 2)
     net.eval()
-    cfg = CompressionConfig(channel_pruning=ChannelPruningConfig(schedule_offset=0, groups=(PruneGroup(
-        name="c", modules=(r"^0$",), dense_ratio=0.5, related_modules=((r"^1$", r"^3$"),)),)))
+    cfg = CompressionConfig(
+        channel_pruning=ChannelPruningConfig(
+            schedule_offset=0,
+            groups=(PruneGroup(name="c", modules=(r"^0$",), dense_ratio=0.5, related_modules=((r"^1$", r"^3$"),)),),
+        )
+    )
     init_compression(net, cfg)
     apply_schedule(net, 0)
     x = torch.randn(2, 3, 8, 8)
@@ -222,8 +265,15 @@ def test_channel_pruning_with_conv_and_batchnorm() -> None:
     # BN shifts pruned channels by its bias, so outputs change (as DeepSpeed documents); without BN they match
     assert cleaned.shape == masked.shape
     plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3))
-    init_compression(plain, CompressionConfig(channel_pruning=ChannelPruningConfig(schedule_offset=0, groups=(PruneGroup(
-        name="c", modules=(r"^0$",), dense_ratio=0.5, related_modules=((r"^2$",),)),))))
+    init_compression(
+        plain,
+        CompressionConfig(
+            channel_pruning=ChannelPruningConfig(
+                schedule_offset=0,
+                groups=(PruneGroup(name="c", modules=(r"^0$",), dense_ratio=0.5, related_modules=((r"^2$",),)),),
+            )
+        ),
+    )
     apply_schedule(plain, 0)
     with torch.no_grad():
         masked = plain(x)
@@ -233,8 +283,13 @@ def test_channel_pruning_with_conv_and_batchnorm() -> None:
 
 
 def test_weight_quant_clean_bakes_grid_values() -> None:
-    cfg = CompressionConfig(weight_quantization=WeightQuantizationConfig(
-        schedule_offset=0, quantize_groups=40, groups=(WeightQuantGroup(modules=(r"\.fc$",), start_bits=4, target_bits=4),)))
+    cfg = CompressionConfig(
+        weight_quantization=WeightQuantizationConfig(
+            schedule_offset=0,
+            quantize_groups=40,
+            groups=(WeightQuantGroup(modules=(r"\.fc$",), start_bits=4, target_bits=4),),
+        )
+    )
     masked, cleaned, model = _compress_and_clean(cfg, Stack(1), _x())
     assert torch.equal(cleaned, masked)
     for row in model.blocks[0].fc.weight:
@@ -259,4 +314,7 @@ def test_layer_reduction_copies_teacher_layers() -> None:
     with pytest.raises(ValueError, match="student has 2 layers"):
         reduce_layers(student, teacher, LayerReductionConfig(module_name_prefix="blocks", teacher_layer=(0, 1, 2)))
     with pytest.raises(ValueError, match="no teacher_model"):
-        init_compression(student, CompressionConfig(layer_reduction=LayerReductionConfig(module_name_prefix="blocks", teacher_layer=(0, 1))))
+        init_compression(
+            student,
+            CompressionConfig(layer_reduction=LayerReductionConfig(module_name_prefix="blocks", teacher_layer=(0, 1))),
+        )

@@ -62,8 +62,19 @@ def test_straight_through_gradient(bits: int) -> None:
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-@pytest.mark.parametrize("bits,scheme", [(1, "symmetric"), (2, "symmetric"), (3, "symmetric"), (4, "symmetric"),
-                                         (4, "asymmetric"), (8, "symmetric"), (8, "asymmetric"), (12, "symmetric")])
+@pytest.mark.parametrize(
+    "bits,scheme",
+    [
+        (1, "symmetric"),
+        (2, "symmetric"),
+        (3, "symmetric"),
+        (4, "symmetric"),
+        (4, "asymmetric"),
+        (8, "symmetric"),
+        (8, "asymmetric"),
+        (12, "symmetric"),
+    ],
+)
 def test_pack_unpack_is_exact(bits: int, scheme: str) -> None:
     x = _x(3, (7, 9))  # odd sizes exercise padding
     q = quantize_weight(x, bits, scheme, 7)
@@ -92,7 +103,9 @@ def test_bit_schedule_doubles_period() -> None:
 def _aq(calibration: str, bits: int = 8, scheme: str = "symmetric", per_sample: bool = False):
     from zlightning.compression._techniques import ActivationQuantizer
 
-    aq = ActivationQuantizer(schedule_offset=0, bits=bits, scheme=scheme, calibration=calibration, per_sample=per_sample)
+    aq = ActivationQuantizer(
+        schedule_offset=0, bits=bits, scheme=scheme, calibration=calibration, per_sample=per_sample
+    )
     aq.set_step(0)
     return aq
 
@@ -105,7 +118,11 @@ def test_dynamic_activation_quantization_is_per_token(bits: int, scheme: str) ->
     y = _aq("dynamic", bits, scheme)(x)
     for token_x, token_y in zip(x.detach().reshape(10, 16), y.detach().reshape(10, 16)):
         assert token_y.unique().numel() <= 2**bits
-        step = (token_x.max() - token_x.min()) / (2**bits - 1) if scheme == "asymmetric" else token_x.abs().max() / (2 ** (bits - 1) - 1)
+        step = (
+            (token_x.max() - token_x.min()) / (2**bits - 1)
+            if scheme == "asymmetric"
+            else token_x.abs().max() / (2 ** (bits - 1) - 1)
+        )
         assert float((token_y - token_x).abs().max()) <= float(step) / 2 + 1e-5  # per-token scale, not a global one
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))  # straight-through
@@ -134,8 +151,9 @@ def test_static_activation_range_is_an_ema_frozen_in_eval() -> None:
     assert torch.equal(off(b), b) and not bool(off.initialized)  # before its offset: identity, no calibration
 
 
-@pytest.mark.parametrize("bits,shape,groups", [(8, (384, 128), 128), (8, (7, 9), 7), (4, (256, 128), 256),
-                                               (4, (64, 30), 64), (8, (3, 5), 1)])
+@pytest.mark.parametrize(
+    "bits,shape,groups", [(8, (384, 128), 128), (8, (7, 9), 7), (4, (256, 128), 256), (4, (64, 30), 64), (8, (3, 5), 1)]
+)
 def test_native_kernel_path_is_bit_identical(bits: int, shape: tuple[int, int], groups: int) -> None:
     """fake_quantize uses zlightning.kernels for symmetric int8/int4 when built; it must equal the PyTorch grid."""
     from zlightning.compression._quantize import _kernel_fake_quantize

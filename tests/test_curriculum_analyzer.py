@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
-
-from zlightning.cli import main as cli_main
 from zlightning.datamodules.curriculum import DataAnalyzer, IndexFile, MetricSpec
 from zlightning.datamodules.curriculum._index import find_fit_int_dtype, write_index_file
+
+from zlightning.cli import main as cli_main
 
 N, T, PAD = 1000, 12, 0
 
@@ -45,9 +45,15 @@ def _hist(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 def test_index_files_satisfy_the_invariants(tmp_path: Path) -> None:
     an = DataAnalyzer(
-        Padded(), save_path=tmp_path, metric_names=["seqlen", "parity", "hist"], metric_functions=[None, _parity, _hist],
+        Padded(),
+        save_path=tmp_path,
+        metric_names=["seqlen", "parity", "hist"],
+        metric_functions=[None, _parity, _hist],
         metric_types=["single_value_per_sample", "single_value_per_sample", "accumulate_value_over_samples"],
-        batch_size=64, num_threads=3, pad_token_id=PAD, progress=False,
+        batch_size=64,
+        num_threads=3,
+        pad_token_id=PAD,
+        progress=False,
     )
     an.run_map_reduce()
     f = _files(tmp_path, "seqlen")
@@ -70,10 +76,23 @@ def test_index_files_satisfy_the_invariants(tmp_path: Path) -> None:
 
 def test_multi_worker_map_then_reduce_equals_single(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
-    DataAnalyzer(Padded(), save_path=one, metric_names=["vocab_rarity"], pad_token_id=PAD, batch_size=100,
-                 progress=False).run_map_reduce()
-    workers = [DataAnalyzer(Padded(), save_path=two, metric_names=["vocab_rarity"], pad_token_id=PAD, batch_size=77,
-                            num_workers=2, worker_id=w, num_threads=2, progress=False) for w in range(2)]
+    DataAnalyzer(
+        Padded(), save_path=one, metric_names=["vocab_rarity"], pad_token_id=PAD, batch_size=100, progress=False
+    ).run_map_reduce()
+    workers = [
+        DataAnalyzer(
+            Padded(),
+            save_path=two,
+            metric_names=["vocab_rarity"],
+            pad_token_id=PAD,
+            batch_size=77,
+            num_workers=2,
+            worker_id=w,
+            num_threads=2,
+            progress=False,
+        )
+        for w in range(2)
+    ]
     with pytest.raises(RuntimeError, match="run_map\\(\\) on every worker"):
         workers[0].run_map_reduce()
     workers[1].run_map()
@@ -125,8 +144,22 @@ def test_zlightning_analyze_command(tmp_path: Path, capsys: pytest.CaptureFixtur
     corpus.mkdir()
     for i in range(4):
         (corpus / f"f{i}.txt").write_text(("abc " * (50 + 30 * i)) + "zq" * i)
-    cli_main(["analyze", "--save-path", str(tmp_path / "out"), "--data-dir", str(corpus), "--pattern", "*.txt",
-              "--seq-len", "16", "--no-progress", "--batch-size", "7"])
+    cli_main(
+        [
+            "analyze",
+            "--save-path",
+            str(tmp_path / "out"),
+            "--data-dir",
+            str(corpus),
+            "--pattern",
+            "*.txt",
+            "--seq-len",
+            "16",
+            "--no-progress",
+            "--batch-size",
+            "7",
+        ]
+    )
     assert "wrote metric index files of ['seqlen', 'vocab_rarity']" in capsys.readouterr().out
     s2m = IndexFile(tmp_path / "out" / "seqlen" / "seqlen_sample_to_metric")
     assert len(s2m) > 10 and set(np.asarray(s2m.values).tolist()) == {16}

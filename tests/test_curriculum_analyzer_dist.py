@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
-
 from zlightning.datamodules.curriculum import DataAnalyzer, DistributedDataAnalyzer, MetricSpec
 from zlightning.datamodules.curriculum._cli import analyze_main
+
 from zlightning.testing import run_distributed
 
 N, T, PAD = 1001, 12, 0  # odd N: the ranks get unequal shares
@@ -45,20 +45,38 @@ def _bad_on_rank1(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 
 def _analyze(metric_names: list[str], metrics: list[MetricSpec], cls: type, path: Path, **kw: object) -> None:
-    cls(Padded(), save_path=path, metric_names=metric_names, metrics=metrics, pad_token_id=PAD, progress=False,
-        **kw).run_map_reduce()
+    cls(
+        Padded(), save_path=path, metric_names=metric_names, metrics=metrics, pad_token_id=PAD, progress=False, **kw
+    ).run_map_reduce()
 
 
 def _specs() -> list[MetricSpec]:
-    return [MetricSpec(name="parity", fn=_parity, dtype="int32"),
-            MetricSpec(name="hist", fn=_hist, type="accumulate_value_over_samples")]
+    return [
+        MetricSpec(name="parity", fn=_parity, dtype="int32"),
+        MetricSpec(name="hist", fn=_hist, type="accumulate_value_over_samples"),
+    ]
 
 
 def _rank(rank: int, world: int, root: str) -> str:
-    _analyze(["seqlen", "vocab_rarity"], _specs(), DistributedDataAnalyzer, Path(root) / "dist", batch_size=64,
-             num_threads=2)
-    analyze_main(["--save-path", f"{root}/cli", "--dataset", f"{__name__}:Padded", "--metrics", "seqlen",
-                  "--pad-token-id", str(PAD), "--batch-size", "50", "--no-progress", "--distributed"])
+    _analyze(
+        ["seqlen", "vocab_rarity"], _specs(), DistributedDataAnalyzer, Path(root) / "dist", batch_size=64, num_threads=2
+    )
+    analyze_main(
+        [
+            "--save-path",
+            f"{root}/cli",
+            "--dataset",
+            f"{__name__}:Padded",
+            "--metrics",
+            "seqlen",
+            "--pad-token-id",
+            str(PAD),
+            "--batch-size",
+            "50",
+            "--no-progress",
+            "--distributed",
+        ]
+    )
     _bad_on_rank1.rank = rank  # type: ignore[attr-defined]
     try:
         _analyze([], [MetricSpec(name="bad", fn=_bad_on_rank1)], DistributedDataAnalyzer, Path(root) / "bad")

@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 from torch.utils.data import Dataset
-
 from zlightning.datamodules.curriculum import CurriculumDataModule, write_metric_index
+
 from zlightning.testing import run_distributed
 
 N, T = 400, 32
@@ -63,12 +63,17 @@ def _config(root: str, workers: int = 0) -> dict[str, Any]:
                     "m": {
                         "index_to_sample_path": f"{root}/m/m_index_to_sample",
                         "index_to_metric_path": f"{root}/m/m_index_to_metric",
-                        "difficulty_type": "value", "clustering_type": "schedule_based",
-                        "min_difficulty": 10, "max_difficulty": 100, "schedule_type": "fixed_linear",
+                        "difficulty_type": "value",
+                        "clustering_type": "schedule_based",
+                        "min_difficulty": 10,
+                        "max_difficulty": 100,
+                        "schedule_type": "fixed_linear",
                         "schedule_config": {"total_curriculum_step": 8, "difficulty_step": 10},
                     },
                     "seqlen_truncate": {
-                        "clustering_type": "single_cluster", "min_difficulty": 8, "max_difficulty": T,
+                        "clustering_type": "single_cluster",
+                        "min_difficulty": 8,
+                        "max_difficulty": T,
                         "schedule_type": "fixed_linear",
                         "schedule_config": {"total_curriculum_step": 8, "difficulty_step": 8},
                     },
@@ -84,8 +89,15 @@ def _fit(
     model = Recorder()
     dm = CurriculumDataModule(_config(root, workers), dataset=IdDataset(), micro_batch_size=4)
     kw: dict[str, Any] = dict(
-        max_steps=max_steps, accelerator="cpu", devices=1, accumulate_grad_batches=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
     )
     trainer = pl.Trainer(**(kw | trainer_kw))
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
@@ -164,11 +176,27 @@ def test_example_yaml_trains_through_the_cli(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(sys, "argv", ["zlightning"])
     base = "--data.init_args.base.init_args"
-    main(["fit", "--config", "examples/gpt_curriculum.yaml", "--trainer.accelerator=cpu", "--trainer.max_steps=4",
-          "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1",
-          "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
-          "--model.d_model=32", "--model.n_layer=1", "--model.n_head=2", "--model.seq_len=32",
-          f"{base}.seq_len=32", f"{base}.max_bytes=100000", f"{base}.batch_size=4"])
+    main(
+        [
+            "fit",
+            "--config",
+            "examples/gpt_curriculum.yaml",
+            "--trainer.accelerator=cpu",
+            "--trainer.max_steps=4",
+            "--trainer.val_check_interval=4",
+            "--trainer.limit_val_batches=2",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--model.d_model=32",
+            "--model.n_layer=1",
+            "--model.n_head=2",
+            "--model.seq_len=32",
+            f"{base}.seq_len=32",
+            f"{base}.max_bytes=100000",
+            f"{base}.batch_size=4",
+        ]
+    )
     (log_dir,) = tmp_path.glob("gpt_curriculum/version_*")
     acc = EventAccumulator(str(log_dir))
     acc.Reload()

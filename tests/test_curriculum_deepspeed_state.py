@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
-
 from zlightning.datamodules.curriculum import CurriculumDataModule, DeepSpeedDataSampler, write_metric_index
 from zlightning.datamodules.curriculum._deepspeed_state import (
     DEEPSPEED_STATE_KEYS,
@@ -36,13 +35,24 @@ def _config(root: Path, clusters: Path | None, *, step: int = 10, total: int = 2
     metric = {
         "index_to_sample_path": str(root / "m" / "m_index_to_sample"),
         "index_to_metric_path": str(root / "m" / "m_index_to_metric"),
-        "difficulty_type": "value", "clustering_type": "schedule_based",
-        "min_difficulty": 2, "max_difficulty": 100, "schedule_type": "fixed_linear",
+        "difficulty_type": "value",
+        "clustering_type": "schedule_based",
+        "min_difficulty": 2,
+        "max_difficulty": 100,
+        "schedule_type": "fixed_linear",
         "schedule_config": {"total_curriculum_step": total, "difficulty_step": step},
     }
-    return {"seed": 5, "data_sampling": {"num_epochs": 50, "curriculum_learning": {
-        "enabled": True, "data_cluster_path": str(clusters) if clusters else None,
-        "curriculum_metrics": {"m": metric}}}}
+    return {
+        "seed": 5,
+        "data_sampling": {
+            "num_epochs": 50,
+            "curriculum_learning": {
+                "enabled": True,
+                "data_cluster_path": str(clusters) if clusters else None,
+                "curriculum_metrics": {"m": metric},
+            },
+        },
+    }
 
 
 def _sampler(cfg: dict[str, Any], b: int = 4, D: int = 1, r: int = 0, A: int = 2) -> DeepSpeedDataSampler:
@@ -155,10 +165,12 @@ def test_deepspeed_state_errors(tmp_path: Path) -> None:
         _sampler(_config(tmp_path, folder), b=3, A=A).load_state_dict(state)
     with pytest.raises(ValueError, match="does not match"):
         _sampler(_config(tmp_path, folder), b=b, A=A).load_state_dict(
-            state | {"data_cluster_paths": ["cluster_x10"] * 2})
+            state | {"data_cluster_paths": ["cluster_x10"] * 2}
+        )
     with pytest.raises(FileNotFoundError, match="cluster_m30"):
         _sampler(_config(tmp_path, folder), b=b, A=A).load_state_dict(
-            state | {"data_cluster_paths": ["cluster_m10", "cluster_m30"]})
+            state | {"data_cluster_paths": ["cluster_m10", "cluster_m30"]}
+        )
     bad = orders["cluster_m20"][:-1]
     write_index_file(folder / "cluster_m20", bad, [bad.size], np.uint16)
     with pytest.raises(ValueError, match="must come from the same run"):
@@ -166,8 +178,17 @@ def test_deepspeed_state_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="current_difficulties has metrics"):
         _sampler(_config(tmp_path, folder), b=b, A=A).load_state_dict(state | {"current_difficulties": {"x": 3}})
     fresh = _sampler(_config(tmp_path, folder), b=b, A=A)  # a DeepSpeed state saved before the first batch
-    fresh.load_state_dict(state | {"batch": [], "consumed_samples": 0, "curriculum_step": 0, "current_difficulties": {},
-                                   "data_cluster_paths": [], "data_cluster_current_position": []})
+    fresh.load_state_dict(
+        state
+        | {
+            "batch": [],
+            "consumed_samples": 0,
+            "curriculum_step": 0,
+            "current_difficulties": {},
+            "data_cluster_paths": [],
+            "data_cluster_current_position": [],
+        }
+    )
     assert _take(fresh, 6) == _take(_sampler(_config(tmp_path, None), b=b, A=A), 6)
     with pytest.raises(ValueError, match="unsupported state format"):
         _sampler(_config(tmp_path, folder), b=b, A=A).load_state_dict({"batch": []})
@@ -231,8 +252,16 @@ def test_trainer_resumes_from_a_deepspeed_checkpoint_file(tmp_path: Path) -> Non
     dm = CurriculumDataModule(_config(tmp_path, tmp_path / "ds_clusters"), dataset=_IdDataset(), micro_batch_size=4)
     dm.load_state_dict({"sampler": torch.load(ckpt, weights_only=True)["data_sampler"]})
     model = _Recorder()
-    trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, accumulate_grad_batches=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, datamodule=dm)
     assert model.seen == ref[10:22]
     assert dm.state_dict()["sampler"]["consumed_samples"] == 22 * 4
@@ -264,12 +293,24 @@ def test_real_deepspeed_sampler_state_resumes(tmp_path: Path) -> None:
     cfg = _config(tmp_path, tmp_path / "ds_clusters", step=2, total=40)
     ds_cfg = {"enabled": True, **cfg}
     ds_cfg["data_sampling"] = {**cfg["data_sampling"], "enabled": True}
-    env = {"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000),
+    }
     out = tmp_path / "mp_rank_00_model_states.pt"
     k = 2 * 11 + 1  # mid global batch: one micro-batch pending
-    proc = subprocess.run([str(_DS_VENV_PYTHON), "-c", _DS_SCRIPT, json.dumps(ds_cfg), str(out), str(k)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(_DS_VENV_PYTHON), "-c", _DS_SCRIPT, json.dumps(ds_cfg), str(out), str(k)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = torch.load(out, weights_only=False)
     state = ckpt["data_sampler"]

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
-
 from zlightning.datamodules.curriculum import DeepSpeedDataSampler, write_metric_index
+
 from zlightning.testing import run_distributed
 
 N, B, A, TP, DP = 600, 3, 2, 2, 1
@@ -22,12 +22,24 @@ N, B, A, TP, DP = 600, 3, 2, 2, 1
 
 def _config(root: str) -> dict[str, Any]:
     metric = {
-        "index_to_sample_path": f"{root}/m/m_index_to_sample", "index_to_metric_path": f"{root}/m/m_index_to_metric",
-        "min_difficulty": 10, "max_difficulty": 100, "schedule_type": "fixed_linear",
+        "index_to_sample_path": f"{root}/m/m_index_to_sample",
+        "index_to_metric_path": f"{root}/m/m_index_to_metric",
+        "min_difficulty": 10,
+        "max_difficulty": 100,
+        "schedule_type": "fixed_linear",
         "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 10},
     }
-    return {"seed": 9, "data_sampling": {"num_epochs": 5, "curriculum_learning": {
-        "enabled": True, "data_cluster_path": f"{root}/clusters", "curriculum_metrics": {"m": metric}}}}
+    return {
+        "seed": 9,
+        "data_sampling": {
+            "num_epochs": 5,
+            "curriculum_learning": {
+                "enabled": True,
+                "data_cluster_path": f"{root}/clusters",
+                "curriculum_metrics": {"m": metric},
+            },
+        },
+    }
 
 
 def _rank(rank: int, world: int, root: str) -> list[tuple[list[int], int]]:

@@ -11,14 +11,21 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from zlightning.datamodules.curriculum import DataEfficiencyConfig, DeepSpeedDataSampler, IndexFile, write_metric_index
 
 N = 1000
 
 
-def _metric(tmp: Path, name: str, values: np.ndarray, *, kind: str = "value", lo: int = 10, hi: int = 100,
-            schedule: dict | None = None) -> dict[str, Any]:
+def _metric(
+    tmp: Path,
+    name: str,
+    values: np.ndarray,
+    *,
+    kind: str = "value",
+    lo: int = 10,
+    hi: int = 100,
+    schedule: dict | None = None,
+) -> dict[str, Any]:
     write_metric_index(tmp / name, name, values)
     cfg = {
         "index_to_sample_path": str(tmp / name / f"{name}_index_to_sample"),
@@ -75,8 +82,14 @@ def test_global_batch_and_lockstep(tmp_path: Path, values: np.ndarray) -> None:
 def test_tiny_clusters_keep_batches_full_and_lockstep(tmp_path: Path) -> None:
     vals = np.full(N, 100)
     vals[:11] = 1  # the first cluster has 11 samples, far fewer than G = 32
-    m = _metric(tmp_path, "m", vals, lo=1, hi=100,
-                schedule={"schedule_type": "fixed_discrete", "schedule_config": {"difficulty": [1, 100], "max_step": [5]}})
+    m = _metric(
+        tmp_path,
+        "m",
+        vals,
+        lo=1,
+        hi=100,
+        schedule={"schedule_type": "fixed_discrete", "schedule_config": {"difficulty": [1, 100], "max_step": [5]}},
+    )
     s = _sampler(_config(tmp_path, {"m": m}), b=8, A=4)
     out = _run(s, 40)
     assert all(len(mb) == 8 for mb, _, _ in out)
@@ -95,8 +108,15 @@ def test_bound_single_metric_value_and_first_step(tmp_path: Path, values: np.nda
 
 
 def test_bound_percentile(tmp_path: Path, values: np.ndarray) -> None:
-    m = _metric(tmp_path, "m", values, kind="percentile", lo=5, hi=100,
-                schedule={"schedule_config": {"total_curriculum_step": 20, "difficulty_step": 5}})
+    m = _metric(
+        tmp_path,
+        "m",
+        values,
+        kind="percentile",
+        lo=5,
+        hi=100,
+        schedule={"schedule_config": {"total_curriculum_step": 20, "difficulty_step": 5}},
+    )
     s = _sampler(_config(tmp_path, {"m": m}), b=4, A=2)
     order = np.asarray(IndexFile(tmp_path / "m" / "m_index_to_sample").values)
     rank = np.empty(N, dtype=np.int64)
@@ -118,8 +138,14 @@ def test_multi_metric_bound_holds_for_every_metric(tmp_path: Path, values: np.nd
 
 def test_empty_eligible_set_is_a_clear_error(tmp_path: Path, values: np.ndarray) -> None:
     # DeepSpeed treats metric a's empty set as "no constraint" and yields samples with a > 0.
-    a = _metric(tmp_path, "a", values + 10, lo=0, hi=100,
-                schedule={"schedule_config": {"total_curriculum_step": 1000, "difficulty_step": 1}})
+    a = _metric(
+        tmp_path,
+        "a",
+        values + 10,
+        lo=0,
+        hi=100,
+        schedule={"schedule_config": {"total_curriculum_step": 1000, "difficulty_step": 1}},
+    )
     cfg = _config(tmp_path, {"a": a, "b": _metric(tmp_path, "b", values, lo=50)})
     with pytest.raises(ValueError, match=r"no sample is eligible.*empty: \['a'\].*min_difficulty"):
         next(iter(_sampler(cfg)))
@@ -146,8 +172,13 @@ def test_cluster_increments_equal_full_recomputation(tmp_path: Path, values: np.
     # The one-restricting-metric fast path (a slice of the index order) against the generic set computation, with a
     # difficulty that goes down and up again and a single_cluster metric alongside.
     m = _metric(tmp_path, "m", values, kind=kind, schedule={"schedule_type": "custom", "schedule_config": {}})
-    trunc = {"clustering_type": "single_cluster", "min_difficulty": 8, "max_difficulty": 64,
-             "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 5, "difficulty_step": 8}}
+    trunc = {
+        "clustering_type": "single_cluster",
+        "min_difficulty": 8,
+        "max_difficulty": 64,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 5, "difficulty_step": 8},
+    }
     path = [30, 20, 50, 50, 45, 70, 70, 100]
     samplers = [_sampler(_config(tmp_path, {"m": m, "seqlen_truncate": trunc}, clusters=False)) for _ in range(2)]
     samplers[1]._compute_cluster = samplers[1]._compute_cluster_generic  # type: ignore[method-assign]

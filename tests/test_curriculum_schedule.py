@@ -7,7 +7,6 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from zlightning.datamodules.curriculum import CurriculumSchedule, CurriculumScheduler, difficulty_at
 
 
@@ -114,8 +113,12 @@ def test_from_dict_accepts_sampler_keys_and_rejects_unknown() -> None:
         CurriculumScheduler(_root(8, 64, 8, 10) | {"schedule_type": "fixed_root"})
     with pytest.raises(ValueError, match="one int step fewer"):
         CurriculumScheduler(
-            {"min_difficulty": 1, "max_difficulty": 3, "schedule_type": "fixed_discrete",
-             "schedule_config": {"difficulty": [1, 2, 3], "max_step": [5]}}
+            {
+                "min_difficulty": 1,
+                "max_difficulty": 3,
+                "schedule_type": "fixed_discrete",
+                "schedule_config": {"difficulty": [1, 2, 3], "max_step": [5]},
+            }
         )
     with pytest.raises(ValueError, match="must be <= max_difficulty"):
         CurriculumScheduler(_root(80, 64, 8, 10))

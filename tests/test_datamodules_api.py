@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-
 import zlightning.datamodules as datamodules
-from zlightning import parallel
 from zlightning.datamodules import curriculum, hybrid_cp, text
+
+from zlightning import parallel
 
 CORE = [
     "BalancedCPScheduler",
@@ -28,15 +28,40 @@ CORE = [
 EARLIER = {  # every name zlightning.datamodules exported before the subpackages, and where it lives now
     text: ["BYTE_VOCAB_SIZE", "PackedByteDataset", "TextCorpusDataModule", "corpus_files"],
     curriculum: [
-        "CurriculumDataModule", "CurriculumMetricConfig", "CurriculumSchedule", "CurriculumScheduler", "DataAnalyzer",
-        "DataEfficiencyConfig", "DeepSpeedDataSampler", "DistributedDataAnalyzer", "IndexFile", "MetricSpec",
-        "difficulty_at", "read_deepspeed_sampler_state", "write_metric_index",
+        "CurriculumDataModule",
+        "CurriculumMetricConfig",
+        "CurriculumSchedule",
+        "CurriculumScheduler",
+        "DataAnalyzer",
+        "DataEfficiencyConfig",
+        "DeepSpeedDataSampler",
+        "DistributedDataAnalyzer",
+        "IndexFile",
+        "MetricSpec",
+        "difficulty_at",
+        "read_deepspeed_sampler_state",
+        "write_metric_index",
     ],
     hybrid_cp: [
-        "CostFn", "HybridCPBatch", "HybridCPConfig", "HybridCPDataLoaderWrapper", "HybridCPSubSample",
-        "HybridCPTextDataModule", "LinearQuadraticCost", "PackedDocumentDataset", "ScheduleStats", "TransformerShape",
-        "cp_size_needed", "fit_cost", "hybrid_cp_forward_backward", "quadratic_cost", "schedule_hybrid_cp",
-        "schedule_stats", "transformer_cost", "unpack_packed_batch", "zigzag_shard",
+        "CostFn",
+        "HybridCPBatch",
+        "HybridCPConfig",
+        "HybridCPDataLoaderWrapper",
+        "HybridCPSubSample",
+        "HybridCPTextDataModule",
+        "LinearQuadraticCost",
+        "PackedDocumentDataset",
+        "ScheduleStats",
+        "TransformerShape",
+        "cp_size_needed",
+        "fit_cost",
+        "hybrid_cp_forward_backward",
+        "quadratic_cost",
+        "schedule_hybrid_cp",
+        "schedule_stats",
+        "transformer_cost",
+        "unpack_packed_batch",
+        "zigzag_shard",
     ],
     parallel: ["CPShard", "HybridCPGroups", "cp_attention", "cp_causal_attention"],
 }

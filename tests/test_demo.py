@@ -13,7 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_short(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "examples/demo.py", "--short", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout

@@ -6,8 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -83,7 +83,7 @@ def _crash_between_the_two_renames(target: Path, new: str, keep_tmp: bool = True
     under ``.zl-old.<id>.<name>``, the complete new one under ``.zl-tmp.<id>.<name>``, nothing under the name."""
     tmp = temporary_name(target)
     _dir_ckpt(tmp, new)
-    token = tmp.name[len(TMP_PREFIX):].partition(".")[0]
+    token = tmp.name[len(TMP_PREFIX) :].partition(".")[0]
     old = target.parent / f"{OLD_PREFIX}{token}.{target.name.encode().hex()}"
     os.rename(target, old)
     if not keep_tmp:
@@ -180,9 +180,9 @@ def _fit_saving_every_step(rank: int, world: int, root: str, fmt: str, resume: b
     runs until it is killed. Rank 0 appends ``start <step>`` and ``step <step>`` lines to ``root/progress``."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from zlightning.strategies import ZStackZero3Strategy
 
     from tests._lightning_models import TinyGPTModule, loader
-    from zlightning.strategies import ZStackZero3Strategy
     from zlightning.zero import CheckpointPolicy
 
     progress = Path(root) / "progress"
@@ -202,8 +202,14 @@ def _fit_saving_every_step(rank: int, world: int, root: str, fmt: str, resume: b
     pl.seed_everything(0, verbose=False)
     strategy = ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type=fmt))  # type: ignore[arg-type]
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=10**6, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=10**6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         callbacks=[Progress(), ModelCheckpoint(dirpath=Path(root) / "ckpt", every_n_train_steps=1, save_last=True)],
     )
     trainer.fit(TinyGPTModule(), train_dataloaders=loader(500, 2, world), ckpt_path="last" if resume else None)
@@ -263,8 +269,13 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_last(tmp_path: Path,
         final = round_ == 31  # saves a sharded checkpoint for the command line below
         fmt = "full" if round_ % 3 == 1 and not final else "sharded"
         progress.write_text("")
-        forker.start("tests.test_durable_checkpoint:_fit_saving_every_step", tmp_path / "logs" / str(round_),
-                     root=str(root), fmt=fmt, resume=round_ > 0)
+        forker.start(
+            "tests.test_durable_checkpoint:_fit_saving_every_step",
+            tmp_path / "logs" / str(round_),
+            root=str(root),
+            fmt=fmt,
+            resume=round_ > 0,
+        )
         if rng.random() < 0.2 and not final:  # while starting, rendezvousing or loading `last`
             time.sleep(rng.uniform(0.0, 1.5))
         else:
@@ -274,7 +285,9 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_last(tmp_path: Path,
         forker.kill(signal.SIGKILL)
         statuses = forker.wait(timeout=30)
         assert statuses == [-signal.SIGKILL] * 2, (
-            statuses, (tmp_path / "logs" / str(round_) / "rank0.log").read_text()[-3000:])
+            statuses,
+            (tmp_path / "logs" / str(round_) / "rank0.log").read_text()[-3000:],
+        )
         kills += 1
         folder = last.parent
         mid_save += folder.is_dir() and any(p.name.startswith(".zl-") for p in folder.iterdir())
@@ -295,8 +308,9 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_last(tmp_path: Path,
     if not (last / "meta.json").is_file():
         raise AssertionError("the last run did not write a sharded checkpoint")
     cli = Path(sys.executable).parent / "zlightning"
-    done = subprocess.run([str(cli), "consolidate", str(last), str(tmp_path / "model.pt")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(cli), "consolidate", str(last), str(tmp_path / "model.pt")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -309,17 +323,18 @@ def _fit_until_the_disk_is_full(rank: int, world: int, root: str, fmt: str) -> N
 
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from zlightning.strategies import ZStackZero3Strategy
 
     from tests._lightning_models import TinyGPTModule, loader
-    from zlightning.strategies import ZStackZero3Strategy
     from zlightning.zero import CheckpointPolicy
 
     disk = Path(root) / "disk"
     last = disk / "ckpt" / "last.ckpt"
 
     class FillDisk(Callback):
-        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                 batch_idx: int) -> None:
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        ) -> None:
             if batch_idx == 1 and rank == 0:
                 size = sum(p.stat().st_size for p in last.rglob("*")) if last.is_dir() else last.stat().st_size
                 fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT, 0o600)
@@ -328,10 +343,18 @@ def _fit_until_the_disk_is_full(rank: int, world: int, root: str, fmt: str) -> N
 
     strategy = ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type=fmt))  # type: ignore[arg-type]
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[FillDisk(), ModelCheckpoint(dirpath=last.parent, every_n_train_steps=1, save_last=True,
-                                               save_top_k=0)],
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[
+            FillDisk(),
+            ModelCheckpoint(dirpath=last.parent, every_n_train_steps=1, save_last=True, save_top_k=0),
+        ],
     )
     try:
         trainer.fit(TinyGPTModule(), train_dataloaders=loader(8, 2, world))
@@ -350,8 +373,10 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     disk.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); test_write_durably_leaves_the_"
-                    "previous_file_when_writing_fails and test_zero3_checkpoint's simulated ENOSPC cover the logic")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); test_write_durably_leaves_the_"
+            "previous_file_when_writing_fails and test_zero3_checkpoint's simulated ENOSPC cover the logic"
+        )
     try:
         yield disk
     finally:
@@ -359,12 +384,14 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, small_disk: Path, forker: Any,
-                                                               fmt: str) -> None:
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(
+    tmp_path: Path, small_disk: Path, forker: Any, fmt: str
+) -> None:
     import json
 
-    forker.start("tests.test_durable_checkpoint:_fit_until_the_disk_is_full", tmp_path / "logs",
-                 root=str(tmp_path), fmt=fmt)
+    forker.start(
+        "tests.test_durable_checkpoint:_fit_until_the_disk_is_full", tmp_path / "logs", root=str(tmp_path), fmt=fmt
+    )
     statuses = forker.wait(timeout=120)
     assert statuses == [0, 0], (statuses, (tmp_path / "logs" / "rank0.log").read_text()[-3000:])
     last = small_disk / "ckpt" / "last.ckpt"

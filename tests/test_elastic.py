@@ -42,8 +42,12 @@ def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
             made.append(ns)
         steps = [("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])]
         for ns, dev, addr in hosts:
-            steps += [("link", "set", dev, "netns", ns), ("-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
-                      ("-n", ns, "link", "set", dev, "up"), ("-n", ns, "link", "set", "lo", "up")]
+            steps += [
+                ("link", "set", dev, "netns", ns),
+                ("-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
+                ("-n", ns, "link", "set", dev, "up"),
+                ("-n", ns, "link", "set", "lo", "up"),
+            ]
         for step in steps:
             done = _ip(*step)
             assert done.returncode == 0, (step, done.stderr)
@@ -70,12 +74,31 @@ def test_a_dead_host_makes_the_survivor_restart_at_the_smaller_world_size(
     agents, logs = [], []
     for i, (ns, dev, addr) in enumerate(two_hosts):
         command = [
-            "ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "PYTHONUNBUFFERED=1",
-            f"ZLIGHTNING_ERROR_DIR={tmp_path / f'errors{i}'}", str(torchrun), "--nnodes=1:2", "--nproc-per-node=1",
-            "--max-restarts=2", "--monitor-interval=0.5", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={two_hosts[0][2]}:29400", "--rdzv-id=issue18",
-            f"--rdzv-conf=join_timeout=60,last_call_timeout=2,is_host={str(i == 0).lower()}", f"--local-addr={addr}",
-            str(ROOT / "examples" / "elastic.py"), "--out", str(out), "--max-steps", "60", "--save-every", "5",
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "env",
+            f"GLOO_SOCKET_IFNAME={dev}",
+            "PYTHONUNBUFFERED=1",
+            f"ZLIGHTNING_ERROR_DIR={tmp_path / f'errors{i}'}",
+            str(torchrun),
+            "--nnodes=1:2",
+            "--nproc-per-node=1",
+            "--max-restarts=2",
+            "--monitor-interval=0.5",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={two_hosts[0][2]}:29400",
+            "--rdzv-id=issue18",
+            f"--rdzv-conf=join_timeout=60,last_call_timeout=2,is_host={str(i == 0).lower()}",
+            f"--local-addr={addr}",
+            str(ROOT / "examples" / "elastic.py"),
+            "--out",
+            str(out),
+            "--max-steps",
+            "60",
+            "--save-every",
+            "5",
         ]
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
         logs.append(tmp_path / f"host{i}.log")
@@ -95,10 +118,15 @@ def test_a_dead_host_makes_the_survivor_restart_at_the_smaller_world_size(
     took = time.monotonic() - killed
     print(f"[measured] two hosts: the survivor restarted alone and finished {took:.1f} s after the other host died")
     assert agents[0].returncode == 0, log[-4000:]
-    assert re.search(r"PeerFailureError: rank 0: rank 1 \(pid \d+ on [^)]+\) killed by SIGKILL while this rank was in "
-                     r"(all-gather|reduce-scatter) of unit", log), log[-4000:]
-    after = log[log.index("PeerFailureError"):]
-    assert "Starting with 1 processes" in after and "Restoring states from the checkpoint path at" in after, after[-3000:]
+    assert re.search(
+        r"PeerFailureError: rank 0: rank 1 \(pid \d+ on [^)]+\) killed by SIGKILL while this rank was in "
+        r"(all-gather|reduce-scatter) of unit",
+        log,
+    ), log[-4000:]
+    after = log[log.index("PeerFailureError") :]
+    assert "Starting with 1 processes" in after and "Restoring states from the checkpoint path at" in after, after[
+        -3000:
+    ]
     import json
 
     import torch

@@ -25,8 +25,9 @@ TIMEOUT_S = 3
 
 # ==================================================================== the verdict (one process)
 def _records(*keys: tuple[str, str, str, int], start: int = 1) -> list[dict[str, Any]]:
-    return [Record(start + i, op, unit, phase, pass_id, 7).__dict__ for i, (op, unit, phase, pass_id) in
-            enumerate(keys)]
+    return [
+        Record(start + i, op, unit, phase, pass_id, 7).__dict__ for i, (op, unit, phase, pass_id) in enumerate(keys)
+    ]
 
 
 def test_first_divergence_names_the_collective_and_what_each_rank_did() -> None:
@@ -35,8 +36,10 @@ def test_first_divergence_names_the_collective_and_what_each_rank_did() -> None:
     reports = {0: {"records": _records(a, b, b), "where": "x.py:1"}, 1: {"records": _records(a, b, a), "where": "y"}}
     text = first_divergence(reports, 2)
     assert "diverge at collective #3" in text, text
-    assert ("rank 0 issued all-gather of unit 'blocks.1' (forward, pass 3, step 7) (its 2nd all-gather of that "
-            "unit in this forward pass)") in text, text
+    assert (
+        "rank 0 issued all-gather of unit 'blocks.1' (forward, pass 3, step 7) (its 2nd all-gather of that "
+        "unit in this forward pass)"
+    ) in text, text
     assert "rank 1 issued all-gather of unit 'blocks.0' (forward, pass 3, step 7)" in text, text
 
 
@@ -47,8 +50,10 @@ def test_first_divergence_when_one_rank_stopped_and_when_all_agree() -> None:
     text = first_divergence(behind, 2)
     assert "rank 1 issued nothing more after #1, all-gather of unit 'blocks.0'" in text, text
     assert "it is at train.py:9 in f" in text, text
-    same = {0: {"records": _records(a), "where": "a", "blocked_s": 5.0, "blocked_in": "x"},
-            1: {"records": _records(a), "where": "b"}}
+    same = {
+        0: {"records": _records(a), "where": "a", "blocked_s": 5.0, "blocked_in": "x"},
+        1: {"records": _records(a), "where": "b"},
+    }
     text = first_divergence(same, 3)
     assert "the same ZeRO-3 collectives (up to #1); the hang is elsewhere" in text, text
     assert "rank 0 is at a (waiting 5 s for x)" in text and "Ranks [2] did not answer" in text, text
@@ -72,8 +77,8 @@ def _zero3_fit(_: int | None, world: int, root: str, mode: str) -> None:
     import lightning.pytorch as pl
     import torch
     from torch import nn
-
     from zlightning.strategies import ZStackZero3Strategy
+
     from zlightning.zero import ZeroConfig
 
     class Blocks(pl.LightningModule):
@@ -92,7 +97,9 @@ def _zero3_fit(_: int | None, world: int, root: str, mode: str) -> None:
             return x
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            if self.global_rank == 1 and ((mode == "kill" and self.global_step == 3) or (mode == "stuck" and self.global_step == 2)):
+            if self.global_rank == 1 and (
+                (mode == "kill" and self.global_step == 3) or (mode == "stuck" and self.global_step == 2)
+            ):
                 (Path(root) / "rank1.waiting").write_text(str(os.getpid()))
                 time.sleep(60)
             return self(batch[0]).square().mean()
@@ -102,8 +109,16 @@ def _zero3_fit(_: int | None, world: int, root: str, mode: str) -> None:
 
     data = torch.utils.data.TensorDataset(torch.randn(64, 16))
     strategy = ZStackZero3Strategy(ZeroConfig(param_persistence_threshold=0))
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=6, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Blocks(), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
 
 
@@ -119,8 +134,9 @@ def _logs(tmp_path: Path) -> list[str]:
     return [(tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2)]
 
 
-def test_a_killed_peer_is_named_with_its_signal_and_the_collective_in_flight(tmp_path: Path,
-                                                                              forker: RankForker) -> None:
+def test_a_killed_peer_is_named_with_its_signal_and_the_collective_in_flight(
+    tmp_path: Path, forker: RankForker
+) -> None:
     forker.start("tests.test_failures_explained:_zero3_fit", tmp_path / "logs", root=str(tmp_path), mode="kill")
     assert wait_for(lambda: (tmp_path / "rank1.waiting").exists(), timeout=60), _logs(tmp_path)[1][-3000:]
     time.sleep(0.5)  # rank 0 is now waiting for rank 1 in a collective of step 3
@@ -130,9 +146,11 @@ def test_a_killed_peer_is_named_with_its_signal_and_the_collective_in_flight(tmp
     took = time.monotonic() - start
     log = _logs(tmp_path)[0]
     assert statuses == [1, -signal.SIGKILL], (statuses, log[-3000:])
-    match = re.search(r"PeerFailureError: rank 0: rank 1 \(pid \d+ on [^)]+\) killed by SIGKILL while this rank was "
-                      r"in (all-gather|reduce-scatter) of unit 'blocks\.\d' \((forward|backward), pass \d+, step 3\)",
-                      log)
+    match = re.search(
+        r"PeerFailureError: rank 0: rank 1 \(pid \d+ on [^)]+\) killed by SIGKILL while this rank was "
+        r"in (all-gather|reduce-scatter) of unit 'blocks\.\d' \((forward|backward), pass \d+, step 3\)",
+        log,
+    )
     assert match, log[-3000:]
     print(f"[measured] SIGKILL of rank 1: rank 0 exited with the explained error after {took:.2f} s")
     assert "gloo said: " in log and took < 15, took
@@ -152,13 +170,18 @@ def test_diverging_control_flow_raises_on_every_rank(tmp_path: Path, forker: Ran
         text = errors[-1]
         assert "the ranks' ZeRO-3 collectives diverge at collective #" in text, text
         if mode == "extra":  # rank 0's second all-gather of blocks.1 against rank 1's next gather (a prefetch)
-            assert ("rank 0 issued all-gather of unit 'blocks.1' (forward, pass 3, step 2) (its 2nd all-gather of "
-                    "that unit in this forward pass)") in text, text
+            assert (
+                "rank 0 issued all-gather of unit 'blocks.1' (forward, pass 3, step 2) (its 2nd all-gather of "
+                "that unit in this forward pass)"
+            ) in text, text
             assert re.search(r"rank 1 issued all-gather of unit 'blocks\.[23]' \(forward, pass 3, step 2\)", text)
         else:  # the forward prefetches the previous pass's order on both ranks: rank 1 differs in its backward,
             # where it re-gathers blocks.1 when rank 0 re-gathers blocks.2
-            assert re.search(r"rank 0 issued all-gather of unit 'blocks\.2' \(backward, pass 3, step 2\); rank 1 "
-                             r"issued all-gather of unit 'blocks\.1' \(backward, pass 3, step 2\)", text), text
+            assert re.search(
+                r"rank 0 issued all-gather of unit 'blocks\.2' \(backward, pass 3, step 2\); rank 1 "
+                r"issued all-gather of unit 'blocks\.1' \(backward, pass 3, step 2\)",
+                text,
+            ), text
     print(f"[measured] {mode}: both ranks raised after {took:.2f} s (fit start included, timeout {TIMEOUT_S} s)")
     assert took < 60, took
 
@@ -166,15 +189,15 @@ def test_diverging_control_flow_raises_on_every_rank(tmp_path: Path, forker: Ran
 def test_a_rank_stuck_outside_collectives_is_located(tmp_path: Path, forker: RankForker) -> None:
     forker.start("tests.test_failures_explained:_zero3_fit", tmp_path / "logs", root=str(tmp_path), mode="stuck")
     assert wait_for(lambda: (tmp_path / "rank1.waiting").exists(), timeout=60)
-    assert wait_for(lambda: "CollectiveTimeoutError" in _logs(tmp_path)[0], timeout=TIMEOUT_S + 30), (
-        _logs(tmp_path)[0][-3000:])
+    assert wait_for(lambda: "CollectiveTimeoutError" in _logs(tmp_path)[0], timeout=TIMEOUT_S + 30), _logs(tmp_path)[0][
+        -3000:
+    ]
     forker.kill(signal.SIGKILL, ranks=[1])  # still asleep in its training step
     forker.wait(timeout=60)
     log = _logs(tmp_path)[0]
     line = next(x for x in log.splitlines() if x.startswith("zlightning._watchdog.CollectiveTimeoutError"))
     assert re.search(r"rank 0 waited \d+ s for all-gather of unit 'blocks\.0' \(forward, pass 3, step 2\)", line)
-    assert "the ranks' ZeRO-3 collectives agree, but rank 1 issued " \
-        "nothing more after #" in line, line
+    assert "the ranks' ZeRO-3 collectives agree, but rank 1 issued nothing more after #" in line, line
     assert "in training_step" in line and "the hang is in that rank's own code" in line, line
 
 
@@ -199,8 +222,9 @@ def _pipeline_fit(rank: int, world: int, root: str) -> None:
     class Pipe(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.pipe = PipelineModule(layers=[nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh()],
-                                       loss_fn=loss_fn, num_stages=2)
+            self.pipe = PipelineModule(
+                layers=[nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh()], loss_fn=loss_fn, num_stages=2
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.pipe.batch_loss((batch[0], batch[0]))
@@ -209,8 +233,16 @@ def _pipeline_fit(rank: int, world: int, root: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     data = torch.utils.data.TensorDataset(torch.randn(64, 16))
-    trainer = pl.Trainer(strategy="zstack_pipeline", accelerator="cpu", devices=world, max_steps=6, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy="zstack_pipeline",
+        accelerator="cpu",
+        devices=world,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Pipe(), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
 
 
@@ -218,14 +250,18 @@ def test_a_pipeline_stage_whose_peer_stops_sending_names_it(tmp_path: Path, fork
     forker.start("tests.test_failures_explained:_pipeline_fit", tmp_path / "logs", root=str(tmp_path))
     assert wait_for(lambda: (tmp_path / "rank1.waiting").exists(), timeout=60), _logs(tmp_path)[1][-3000:]
     start = time.monotonic()
-    assert wait_for(lambda: "TransferTimeoutError" in _logs(tmp_path)[0], timeout=TIMEOUT_S + 30), (
-        _logs(tmp_path)[0][-3000:])
+    assert wait_for(lambda: "TransferTimeoutError" in _logs(tmp_path)[0], timeout=TIMEOUT_S + 30), _logs(tmp_path)[0][
+        -3000:
+    ]
     took = time.monotonic() - start
     forker.kill(signal.SIGKILL, ranks=[1])  # still in its loss
     forker.wait(timeout=60)
     line = next(x for x in _logs(tmp_path)[0].splitlines() if x.startswith("zlightning._watchdog.TransferTimeoutError"))
-    assert re.search(r"rank 0 waited \d+ s for the gradients \(RECV_B\) of this batch's micro-batch #\d+ on that "
-                     r"channel from pipeline stage 1 \(rank 1\)", line), line
+    assert re.search(
+        r"rank 0 waited \d+ s for the gradients \(RECV_B\) of this batch's micro-batch #\d+ on that "
+        r"channel from pipeline stage 1 \(rank 1\)",
+        line,
+    ), line
     assert "rank 1 is at" in line and "in loss_fn" in line, line
     print(f"[measured] pipeline: stage 0 raised {took:.2f} s after stage 1 stopped (timeout {TIMEOUT_S} s)")
     assert took < TIMEOUT_S + 15, took
@@ -236,13 +272,16 @@ def test_a_killed_rank_of_a_popen_run_is_named_by_the_launching_rank(tmp_path: P
     """``python train.py``: rank 0 launched rank 1 (Lightning's ``popen``); rank 1 is SIGKILLed while rank 0 waits
     for it. Rank 0 learns how rank 1 ended from its own observer and prints one explained error."""
     script = tmp_path / "train.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
-                      "from tests.test_failures_explained import _zero3_fit\n"
-                      f"_zero3_fit(None, 2, {str(tmp_path)!r}, 'kill')\n")
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
+        "from tests.test_failures_explained import _zero3_fit\n"
+        f"_zero3_fit(None, 2, {str(tmp_path)!r}, 'kill')\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(PYTHONUNBUFFERED="1", ZLIGHTNING_ERROR_DIR=str(tmp_path / "errors"))
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     waiting = tmp_path / "rank1.waiting"
     if not wait_for(lambda: waiting.exists() and waiting.read_text(), timeout=240):
         proc.kill()
@@ -259,8 +298,10 @@ def test_a_killed_rank_of_a_popen_run_is_named_by_the_launching_rank(tmp_path: P
     assert proc.returncode == 1, (proc.returncode, err[-3000:])
     summary = [line for line in err.splitlines() if line.startswith("zlightning: rank 0 of 2 failed")]
     assert len(summary) == 1, err[-3000:]
-    assert re.search(r"PeerFailureError: rank 0: rank 1 \(pid \d+ on [^)]+\) killed by SIGKILL while this rank was in "
-                     r"(all-gather|reduce-scatter) of unit 'blocks\.\d' \((forward|backward), pass \d+, step 3\)",
-                     summary[0]), summary[0]
+    assert re.search(
+        r"PeerFailureError: rank 0: rank 1 \(pid \d+ on [^)]+\) killed by SIGKILL while this rank was in "
+        r"(all-gather|reduce-scatter) of unit 'blocks\.\d' \((forward|backward), pass \d+, step 3\)",
+        summary[0],
+    ), summary[0]
     print(f"[measured] popen: rank 0 printed the explained error and exited {took:.2f} s after rank 1's SIGKILL")
     assert "Traceback" not in err and took < 20, took

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from zlightning.strategies._launch import TERMINATE_GRACE_S, TERMINATED_EXIT_CODE, summarize
+
 from zlightning.zero import NVMeOffload, ZeroConfig
 from zlightning.zero._config import Bytes, Elements
 from zlightning.zero._swap_io import SwapPathError, check_swap_path
@@ -57,8 +57,14 @@ def _start(tmp_path: Path, fail_rank: int) -> subprocess.Popen[str]:
     script.write_text(_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(PYTHONUNBUFFERED="1", ZLIGHTNING_ERROR_DIR=str(tmp_path / "errors"))
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path), str(fail_rank)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(fail_rank)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -112,7 +118,7 @@ def test_a_failed_rank_prints_one_short_error(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert err.count("zlightning: rank 1 of 2 failed: ValueError: planted failure on rank 1") == 1, err[-4000:]
     assert "Traceback" not in err and "[rank1]" not in err, err[-4000:]
-    after = err[err.index("zlightning: rank 1 of 2 failed"):].splitlines()
+    after = err[err.index("zlightning: rank 1 of 2 failed") :].splitlines()
     summary = [after[0], *[line for line in after[1:4] if line.startswith("  ")]]  # other processes may interleave
     assert len(summary) <= 4 and "rank<r>.log" in summary[-1], after[:6]
     log = tmp_path / "errors" / "rank1.log"
@@ -147,8 +153,9 @@ def test_nvme_path_with_a_missing_parent_is_refused(tmp_path: Path, caplog: pyte
 
 
 def test_sizes_read_as_written() -> None:
-    config = ZeroConfig(prefetch_bucket_size="50M", reduce_bucket_size=5e7, max_live_parameters="1e9",
-                        host_mmap_threshold="1MiB")
+    config = ZeroConfig(
+        prefetch_bucket_size="50M", reduce_bucket_size=5e7, max_live_parameters="1e9", host_mmap_threshold="1MiB"
+    )
     assert (config.prefetch_bucket_size, config.reduce_bucket_size) == (50_000_000, 50_000_000)
     assert config.max_live_parameters == 10**9 and config.host_mmap_threshold == 2**20
     assert int(Elements("64Mi")) == 2**26 and int(Bytes("200MB")) == 200_000_000
@@ -166,8 +173,12 @@ def test_example_config_builds(config: str, monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["zlightning"])
-    cli = _CLI(subclass_mode_model=True, subclass_mode_data=True, run=False,
-               args=["--config", config, "--trainer.logger=false", "--data.max_bytes=100000"])
+    cli = _CLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", config, "--trainer.logger=false", "--data.max_bytes=100000"],
+    )
     expected = "GPTPipelineModule" if "pipeline" in config else "GPTLightningModule"
     assert type(cli.model).__name__ == expected and type(cli.model).__module__.startswith("zlightning.models")
     checkpoints = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
@@ -178,8 +189,9 @@ def test_example_config_builds(config: str, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.slow
 def test_spawn_start_method_returns_full_weights_to_the_main_process(tmp_path: Path) -> None:
     script = tmp_path / "spawn_fit.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import lightning.pytorch as pl
         import torch
         import zlightning
@@ -198,8 +210,10 @@ def test_spawn_start_method_returns_full_weights_to_the_main_process(tmp_path: P
             assert after.shape == before.shape and not torch.equal(after, before), "main process got no weights"
             print("FULL WEIGHTS BACK")
         """
-    ))
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0 and "FULL WEIGHTS BACK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -7,10 +7,10 @@ import math
 import lightning
 import pytest
 import torch
+from zlightning.datamodules import TextCorpusDataModule
 
 from examples.gpt import GPTLightningModule, LinearWarmup, resident_memory_mb
 from examples.gpt_model import GPT, GPTConfig
-from zlightning.datamodules import TextCorpusDataModule
 
 TINY = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=2)
 

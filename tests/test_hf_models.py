@@ -33,8 +33,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 from zlightning.testing import run_distributed  # noqa: E402
 
 CONFIG: dict[str, Any] = {
-    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "max_position_embeddings": 32, "tie_word_embeddings": True,
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
 }
 WORLD, SEQ, MICRO, N_SAMPLES, STEPS, LR = 2, 12, 2, 12, 3, 0.05
 TOL = {"rtol": 1e-5, "atol": 2e-6}
@@ -102,16 +108,25 @@ def _pipe_module() -> pl.LightningModule:
 
 def _trainer(strategy: Any, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
     )
 
 
 def rank_runs(rank: int, world: int, zero_ckpt: str, pipe_ckpt: str) -> dict[str, Any]:
+    from zlightning.strategies import PipelineStrategy, ZStackZero3Strategy
+
     import zlightning  # noqa: F401
     from zlightning.callbacks import PipelineBubbleMonitor
     from zlightning.inject import tp_full_state
-    from zlightning.strategies import PipelineStrategy, ZStackZero3Strategy
     from zlightning.zero import summon_full_params
 
     out: dict[str, Any] = {}
@@ -134,8 +149,12 @@ def rank_runs(rank: int, world: int, zero_ckpt: str, pipe_ckpt: str) -> dict[str
     trainer = _trainer(PipelineStrategy(micro_batches=2), callbacks=[bubble])
     trainer.fit(module, DataLoader(_dataset(), batch_size=2 * MICRO))  # one pipeline replica: the whole global batch
     trainer.save_checkpoint(pipe_ckpt)
-    out["pipeline"] = {"losses": module.losses, "stage": trainer.strategy.engine.grid.stage, "bubble": bubble.last,
-                       "state": {k: v.detach().clone() for k, v in module.pipe.state_dict().items()}}
+    out["pipeline"] = {
+        "losses": module.losses,
+        "stage": trainer.strategy.engine.grid.stage,
+        "bubble": bubble.last,
+        "state": {k: v.detach().clone() for k, v in module.pipe.state_dict().items()},
+    }
     return out
 
 
@@ -147,7 +166,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]]
     return out, zero_ckpt, pipe_ckpt
 
 
-def _reference(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     from zlightning.integrations.huggingface import causal_lm_loss
 
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -231,18 +252,35 @@ def test_consolidated_checkpoints_load_into_the_hugging_face_class(runs: Any, tm
 
 def _tiny_models() -> dict[str, torch.nn.Module]:
     from transformers import (
-        GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
         Qwen2ForCausalLM,
     )
 
     common = {k: v for k, v in CONFIG.items() if k != "tie_word_embeddings"}
-    gpt2 = {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+    gpt2 = {
+        "vocab_size": 64,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 32,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
     torch.manual_seed(0)
     return {
         "llama": LlamaForCausalLM(LlamaConfig(**CONFIG)),
-        "llama-untied-eager": LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False,
-                                                           attn_implementation="eager")),
+        "llama-untied-eager": LlamaForCausalLM(
+            LlamaConfig(**common, tie_word_embeddings=False, attn_implementation="eager")
+        ),
         "mistral-window": MistralForCausalLM(MistralConfig(**common, sliding_window=4)),
         "qwen2": Qwen2ForCausalLM(Qwen2Config(**common)),
         "gpt2": GPT2LMHeadModel(GPT2Config(**gpt2)),
@@ -289,7 +327,15 @@ def test_example_config_resolves(capsys: pytest.CaptureFixture[str]) -> None:
         main(["fit", "--config", str(repo / "examples" / "hf_causal_lm.yaml"), "--print_config"])
     assert done.value.code in (0, None)
     text = capsys.readouterr().out
-    for needle in ("zlightning.strategies.ZStackZero3Strategy", "tensor_parallel_size: 2", "compile: true",
-                   "offload_optimizer:\n        pin_memory: true", "zlightning.models.hf_causal_lm.HFCausalLM", "num_key_value_heads: 2",
-                   "zlightning.datamodules.CurriculumDataModule", "seqlen_truncate", "zlightning.loggers.TensorBoardLogger"):
+    for needle in (
+        "zlightning.strategies.ZStackZero3Strategy",
+        "tensor_parallel_size: 2",
+        "compile: true",
+        "offload_optimizer:\n        pin_memory: true",
+        "zlightning.models.hf_causal_lm.HFCausalLM",
+        "num_key_value_heads: 2",
+        "zlightning.datamodules.CurriculumDataModule",
+        "seqlen_truncate",
+        "zlightning.loggers.TensorBoardLogger",
+    ):
         assert needle in text, needle

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from zlightning.datamodules.hybrid_cp import zigzag_shard
 
 from examples.gpt_model import GPT, GPTConfig
-from zlightning.datamodules.hybrid_cp import zigzag_shard
 from zlightning.models.gpt_hybrid_cp import gpt_cp_logits, gpt_cp_loss
 from zlightning.parallel import CPShard, HybridCPGroups, cp_attention, cp_causal_attention, zigzag_positions
 
@@ -157,5 +157,10 @@ def test_gpt_cp_logits_checks_shapes_and_length() -> None:
     with pytest.raises(ValueError, match="shard's 4 tokens"):
         gpt_cp_logits(model, torch.zeros(3, dtype=torch.int64), CPShard.zigzag(4, 1, 0, None))
     with pytest.raises(ValueError, match="num_tokens must be > 0"):
-        gpt_cp_loss(model, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
-                    CPShard.zigzag(4, 1, 0, None), num_tokens=0)
+        gpt_cp_loss(
+            model,
+            torch.zeros(4, dtype=torch.int64),
+            torch.zeros(4, dtype=torch.int64),
+            CPShard.zigzag(4, 1, 0, None),
+            num_tokens=0,
+        )

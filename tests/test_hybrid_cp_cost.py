@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from examples.gpt_model import GPTConfig
 from zlightning.datamodules.hybrid_cp import (
     LinearQuadraticCost,
     TransformerShape,
@@ -18,6 +16,8 @@ from zlightning.datamodules.hybrid_cp import (
     transformer_cost,
 )
 
+from examples.gpt_model import GPTConfig
+
 
 def test_transformer_cost_counts_dense_and_attention_flops() -> None:
     shape = TransformerShape.of(GPTConfig(vocab_size=256, d_model=64, n_layer=2, mlp_ratio=4))
@@ -25,7 +25,9 @@ def test_transformer_cost_counts_dense_and_attention_flops() -> None:
     dense = 2 * (4 + 8) * 64**2 * 2 + 2 * 64 * 256  # qkv+proj (4 d^2) and MLP (8 d^2) per layer, head
     assert cost.linear == dense and cost.quadratic == 4 * 64 * 2
     assert cost(1000, 4) == pytest.approx((dense * 1000 + 4 * 64 * 2 * 1000**2) / 4)
-    skip = transformer_cost(TransformerShape.of(GPTConfig(vocab_size=256, d_model=64, n_layer=2), attention="causal_skip"))
+    skip = transformer_cost(
+        TransformerShape.of(GPTConfig(vocab_size=256, d_model=64, n_layer=2), attention="causal_skip")
+    )
     assert skip.quadratic == cost.quadratic / 2 and skip.linear == cost.linear
     assert cost.crossover_length == pytest.approx(dense / (4 * 64 * 2))
 

@@ -38,13 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
-
-from examples.gpt_hybrid_cp import HybridCPGPTModule
-from examples.gpt_model import GPT, GPTConfig
-from tests.test_hybrid_cp_attention import TOL, _reference, _run_block
-from tests.test_hybrid_cp_lightning import BATCH, CFG, HCP, _datamodule, _write_corpus
-from tests._lightning_models import state_after_fit
-from zlightning.datamodules.text import PackedByteDataset
 from zlightning.datamodules.hybrid_cp import (
     HybridCPConfig,
     HybridCPDataLoaderWrapper,
@@ -54,6 +47,13 @@ from zlightning.datamodules.hybrid_cp import (
     lockstep_plan,
     unpack_packed_batch,
 )
+from zlightning.datamodules.text import PackedByteDataset
+
+from examples.gpt_hybrid_cp import HybridCPGPTModule
+from examples.gpt_model import GPT, GPTConfig
+from tests._lightning_models import state_after_fit
+from tests.test_hybrid_cp_attention import TOL, _reference, _run_block
+from tests.test_hybrid_cp_lightning import BATCH, CFG, HCP, _datamodule, _write_corpus
 from zlightning.models.gpt_hybrid_cp import gpt_cp_loss, gpt_pad_loss
 from zlightning.parallel import CPShard, HybridCPGroups, zigzag_positions
 from zlightning.testing import run_distributed
@@ -154,15 +154,20 @@ def test_cp_attention_matches_full_causal_sdpa_on_every_block(request: pytest.Fi
     for rank, run in enumerate(runs):
         run = run["attention"]
         assert run["domain"] == tuple(range(world_size))
-        expected_blocks = [(s, c) for c in (2, 4, 8) if c <= world_size for s in range(0, world_size, c)
-                           if s <= rank < s + c]
+        expected_blocks = [
+            (s, c) for c in (2, 4, 8) if c <= world_size for s in range(0, world_size, c) if s <= rank < s + c
+        ]
         assert run["blocks"] == sorted(expected_blocks)  # only this rank's blocks are kept
         for (c, start, length, seed, via_mode), got in run["results"].items():
             index = zigzag_positions(length, c, rank - start)
             ref = _reference(length, seed)
             for name in ("out", "dq", "dk", "dv"):
-                torch.testing.assert_close(got[name], ref[name].index_select(2, index), **TOL,
-                                           msg=lambda m: f"rank {rank} c={c} L={length} mode={via_mode} {name}: {m}")
+                torch.testing.assert_close(
+                    got[name],
+                    ref[name].index_select(2, index),
+                    **TOL,
+                    msg=lambda m: f"rank {rank} c={c} L={length} mode={via_mode} {name}: {m}",
+                )
             checked += 1
     assert checked == 2 * sum(c for c, *_ in _cases(world_size))  # every rank of every block, both paths
 
@@ -199,12 +204,14 @@ def _packed_batch(replica: int, step: int, world_size: int) -> list[dict[str, to
         cu = torch.cat([cu, cu[-1:]]).to(torch.int32)
         total = int(cu[-1])
         mask = (torch.rand(total, generator=gen) > 0.3).float()
-        samples.append({
-            "cu_seqlens": cu,
-            "tokens": torch.randint(0, GPT_CFG.vocab_size, (total,), generator=gen),
-            "labels": torch.randint(0, GPT_CFG.vocab_size, (total,), generator=gen),
-            "loss_mask": mask,
-        })
+        samples.append(
+            {
+                "cu_seqlens": cu,
+                "tokens": torch.randint(0, GPT_CFG.vocab_size, (total,), generator=gen),
+                "labels": torch.randint(0, GPT_CFG.vocab_size, (total,), generator=gen),
+                "loss_mask": mask,
+            }
+        )
     return samples
 
 
@@ -224,8 +231,11 @@ def _train_reference(world_size: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, first_grads = [], {}
     for step in range(TRAIN_STEPS):
-        subs = [s for d in range(world_size // _cp_per_replica(world_size))
-                for s in unpack_packed_batch(_packed_batch(d, step, world_size))]
+        subs = [
+            s
+            for d in range(world_size // _cp_per_replica(world_size))
+            for s in unpack_packed_batch(_packed_batch(d, step, world_size))
+        ]
         num = sum(float(s["loss_mask"].sum()) for s in subs)
         loss = torch.zeros(())
         for s in subs:
@@ -256,8 +266,9 @@ def _train_distributed(rank: int, world_size: int) -> dict[str, Any]:
         num = global_token_count(batch, rank, key="loss_mask")
 
         def loss_fn(data: dict[str, torch.Tensor], shard: CPShard) -> torch.Tensor:
-            return gpt_cp_loss(model, data["tokens"], data["labels"], shard, num_tokens=num,
-                               loss_mask_t=data["loss_mask"])
+            return gpt_cp_loss(
+                model, data["tokens"], data["labels"], shard, num_tokens=num, loss_mask_t=data["loss_mask"]
+            )
 
         pad = (lambda: gpt_pad_loss(model)) if lockstep else None
         total = hybrid_cp_forward_backward(batch, groups, loss_fn, pad_loss_fn=pad)
@@ -280,14 +291,28 @@ def test_gpt_training_matches_single_process(request: pytest.FixtureRequest, wor
     ref = _train_reference(world_size)
     for rank, run in enumerate(runs):
         got = run["training"]
-        torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
-                                   torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            torch.tensor(got["losses"], dtype=torch.float64),
+            torch.tensor(ref["losses"], dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-7,
+        )
         assert got["grads"].keys() == ref["grads"].keys() and got["params"].keys() == ref["params"].keys()
         for name in ref["grads"]:
-            torch.testing.assert_close(got["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"rank {rank} grad {name}: {m}")
-            torch.testing.assert_close(got["params"][name], ref["params"][name], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+            torch.testing.assert_close(
+                got["grads"][name],
+                ref["grads"][name],
+                rtol=1e-5,
+                atol=1e-7,
+                msg=lambda m: f"rank {rank} grad {name}: {m}",
+            )
+            torch.testing.assert_close(
+                got["params"][name],
+                ref["params"][name],
+                rtol=1e-5,
+                atol=1e-7,
+                msg=lambda m: f"rank {rank} param {name}: {m}",
+            )
     cp_sizes = set().union(*(run["training"]["cp_sizes"] for run in runs))
     assert max(cp_sizes) == world_size and len(cp_sizes) >= 2, cp_sizes  # blocks of several sizes were exercised
     if world_size == 4:
@@ -387,8 +412,9 @@ def test_reroute_returns_bit_exact_source_slices(request: pytest.FixtureRequest,
                 assert set(data) == set(subs[gid]) | {"src"} and "cu_seqlens" not in data
                 owner = next(d for d in range(world_size // cp_size) if gid < offsets[d + 1])
                 # only same-CP-index peers exchange data: the sender is the owner replica's rank with my CP index
-                assert torch.equal(data.pop("src"), torch.full((seqlens[gid],), owner * cp_size + rank % cp_size,
-                                                               dtype=torch.int16))
+                assert torch.equal(
+                    data.pop("src"), torch.full((seqlens[gid],), owner * cp_size + rank % cp_size, dtype=torch.int16)
+                )
                 for key, tensor in data.items():
                     ref = subs[gid][key]
                     assert tensor.dtype == ref.dtype, (key, tensor.dtype, ref.dtype)
@@ -398,8 +424,9 @@ def test_reroute_returns_bit_exact_source_slices(request: pytest.FixtureRequest,
 
 def _desync_worker(rank: int, world_size: int) -> str | None:
     # Both ranks claim to be one replica but read different data: every rank must raise, none may hang.
-    desync = HybridCPDataLoaderWrapper(iter([_make_batch(rank, 0, world_size)]), HybridCPConfig(
-        max_seqlen_per_rank=MAX_SEQLEN, cp_size=2))
+    desync = HybridCPDataLoaderWrapper(
+        iter([_make_batch(rank, 0, world_size)]), HybridCPConfig(max_seqlen_per_rank=MAX_SEQLEN, cp_size=2)
+    )
     try:
         next(desync)
     except RuntimeError as err:
@@ -473,9 +500,18 @@ def _fit(rank: int, world: int, root: str) -> dict[str, Any]:
     for strategy in ("ddp", "zstack_zero3"):
         pl.seed_everything(0, verbose=False)
         module = _SGDModule(CFG)
-        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=LIGHTNING_STEPS,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=world,
+            max_steps=LIGHTNING_STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
         trainer.fit(module, datamodule=_datamodule(root))
         state = state_after_fit(module, "model.")
         params = {n: state[n] for n, _ in module.model.named_parameters()}
@@ -525,9 +561,15 @@ def test_lightning_ddp_and_zero3_match_single_process(runs2: list[dict[str, Any]
         for rank, run in enumerate(runs2):
             got = run["lightning"][strategy]
             assert got["steps"] == LIGHTNING_STEPS
-            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"{strategy} rank {rank} losses: {m}")
+            torch.testing.assert_close(
+                torch.tensor(got["losses"]),
+                torch.tensor(ref["losses"]),
+                rtol=1e-5,
+                atol=1e-7,
+                msg=lambda m: f"{strategy} rank {rank} losses: {m}",
+            )
             assert got["params"].keys() == ref["params"].keys()
             for name, want in ref["params"].items():
-                torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-7,
-                                           msg=lambda m: f"{strategy} rank {rank} {name}: {m}")
+                torch.testing.assert_close(
+                    got["params"][name], want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{strategy} rank {rank} {name}: {m}"
+                )

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPTextDataModule, PackedDocumentDataset
 
 from examples.gpt_hybrid_cp import HybridCPGPTModule
 from examples.gpt_model import GPTConfig
-from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPTextDataModule, PackedDocumentDataset
 
 SEQ_LEN = 32
 BATCH = 2
@@ -35,8 +35,16 @@ def _write_corpus(root: Path) -> None:
 
 
 def _datamodule(root: str) -> HybridCPTextDataModule:
-    return HybridCPTextDataModule(hybrid_cp=HCP, data_dir=root, pattern="*.txt", seq_len=SEQ_LEN, batch_size=BATCH,
-                                  val_fraction=0.2, max_bytes=None, seed=5)
+    return HybridCPTextDataModule(
+        hybrid_cp=HCP,
+        data_dir=root,
+        pattern="*.txt",
+        seq_len=SEQ_LEN,
+        batch_size=BATCH,
+        val_fraction=0.2,
+        max_bytes=None,
+        seed=5,
+    )
 
 
 # --------------------------------------------------------------------------------------- single-process parts

@@ -8,7 +8,6 @@ import statistics
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from zlightning.datamodules.hybrid_cp import cp_size_needed, quadratic_cost, schedule_hybrid_cp, schedule_stats
 from zlightning.datamodules.hybrid_cp._schedule import HybridCPSchedule
 

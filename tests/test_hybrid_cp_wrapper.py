@@ -10,8 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-
-from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPDataLoaderWrapper, unpack_packed_batch, zigzag_shard
+from zlightning.datamodules.hybrid_cp import (
+    HybridCPConfig,
+    HybridCPDataLoaderWrapper,
+    unpack_packed_batch,
+    zigzag_shard,
+)
 
 
 def test_unpack_skips_zero_length_entries_and_returns_views() -> None:
@@ -53,8 +57,9 @@ def test_config_validation_and_lazy_collectives() -> None:
     with pytest.raises(ValueError, match="must contain 'cu_seqlens'"):
         HybridCPConfig(max_seqlen_per_rank=4, ignored_keys=())
     # Construction runs no collective; iterating without a process group explains what to do.
-    wrapper = HybridCPDataLoaderWrapper([{"cu_seqlens": torch.tensor([0, 2]), "t": torch.arange(2)}],
-                                        HybridCPConfig(max_seqlen_per_rank=4))
+    wrapper = HybridCPDataLoaderWrapper(
+        [{"cu_seqlens": torch.tensor([0, 2]), "t": torch.arange(2)}], HybridCPConfig(max_seqlen_per_rank=4)
+    )
     with pytest.raises(RuntimeError, match="not initialised; call init_process_group"):
         next(wrapper)
     assert wrapper.state_dict() == {}

@@ -124,11 +124,15 @@ def test_gpt_mlp_fused_matches_including_dropout(bias: bool, mode: str) -> None:
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: LlamaMLP(16, 40),
-    lambda: LlamaMLP(16, 40, bias=True, act=nn.GELU(approximate="tanh")),
-    lambda: AnonGated(16, 24),
-], ids=["llama_silu", "geglu_tanh_bias", "anonymous_names"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LlamaMLP(16, 40),
+        lambda: LlamaMLP(16, 40, bias=True, act=nn.GELU(approximate="tanh")),
+        lambda: AnonGated(16, 24),
+    ],
+    ids=["llama_silu", "geglu_tanh_bias", "anonymous_names"],
+)
 @pytest.mark.parametrize("mode", ["recompute", "save"])
 def test_gated_mlps_fused_match(make: object, mode: str) -> None:
     torch.manual_seed(0)
@@ -237,8 +241,9 @@ def _zero_linear_units() -> list[tuple[float, float]]:
     ref = GPT(CFG)
     model = copy.deepcopy(ref)
     module_inject(model, InjectPolicy())
-    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                         config=ZeroConfig(unit_modules=("Linear",)))
+    zero = DeepSpeedZeroOptimizer_Stage3(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), config=ZeroConfig(unit_modules=("Linear",))
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(2)
     losses = []

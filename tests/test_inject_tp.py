@@ -103,8 +103,12 @@ def test_gpt_every_linear_classified() -> None:
     styles = classify_linears(GPT(CFG), InjectPolicy(tp_size=2))
     expected = {"head": LinearStyle.TIED_HEAD}
     for i in range(CFG.n_layer):
-        expected |= {f"blocks.{i}.attn.qkv": LinearStyle.QKV, f"blocks.{i}.attn.proj": LinearStyle.ROW,
-                     f"blocks.{i}.mlp.fc": LinearStyle.COLUMN, f"blocks.{i}.mlp.proj": LinearStyle.ROW}
+        expected |= {
+            f"blocks.{i}.attn.qkv": LinearStyle.QKV,
+            f"blocks.{i}.attn.proj": LinearStyle.ROW,
+            f"blocks.{i}.mlp.fc": LinearStyle.COLUMN,
+            f"blocks.{i}.mlp.proj": LinearStyle.ROW,
+        }
     assert styles == expected
 
 
@@ -117,9 +121,22 @@ def test_llama_and_structure_rules_and_plan_override() -> None:
         for n in ("self_attn.o_proj", "down_proj"):
             assert styles[f"layers.{i}.{n}"] is LinearStyle.ROW
     # Structure only (names carry no hint): a Linear followed by a norm, or the last one, is row-parallel.
-    anon = nn.Sequential(nn.ModuleList([nn.ModuleDict(
-        {"a": nn.Linear(8, 16), "b": nn.Linear(16, 8), "n": nn.LayerNorm(8), "c": nn.Linear(8, 8), "d": nn.Linear(8, 8)}
-    )]), nn.Linear(8, 3))
+    anon = nn.Sequential(
+        nn.ModuleList(
+            [
+                nn.ModuleDict(
+                    {
+                        "a": nn.Linear(8, 16),
+                        "b": nn.Linear(16, 8),
+                        "n": nn.LayerNorm(8),
+                        "c": nn.Linear(8, 8),
+                        "d": nn.Linear(8, 8),
+                    }
+                )
+            ]
+        ),
+        nn.Linear(8, 3),
+    )
     got = classify_linears(anon, InjectPolicy())
     col, row = LinearStyle.COLUMN, LinearStyle.ROW
     assert [got[f"0.0.{k}"] for k in "abcd"] == [col, row, col, row]
@@ -196,11 +213,17 @@ def _train(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], f
         opt.zero_grad()
         _, loss = model(idx, tgt)
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)} if full \
+        grads = (
+            {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            if full
             else tp_full_state(model, grads=True)
+        )
         opt.step()
-        params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)} if full \
+        params = (
+            {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            if full
             else tp_full_state(model)
+        )
         log.append({"loss": loss.detach(), "grads": grads, "params": params})
     return log
 
@@ -212,8 +235,10 @@ def _tp_rank(rank: int, world: int) -> list[str]:
         ref = make()
         tp_model = copy.deepcopy(ref)
         gen = torch.Generator().manual_seed(1)
-        batches = [(torch.randint(0, vocab, (4, 12), generator=gen), torch.randint(0, vocab, (4, 12), generator=gen))
-                   for _ in range(3)]
+        batches = [
+            (torch.randint(0, vocab, (4, 12), generator=gen), torch.randint(0, vocab, (4, 12), generator=gen))
+            for _ in range(3)
+        ]
         groups = build_tp_groups(2)
         module_inject(tp_model, InjectPolicy(tp_size=2), tp_group=groups.tp_group)
         local = sum(p.numel() for p in tp_model.parameters())
@@ -224,8 +249,13 @@ def _tp_rank(rank: int, world: int) -> list[str]:
             for kind in ("grads", "params"):
                 assert set(g[kind]) == set(w[kind]), (name, kind, set(g[kind]) ^ set(w[kind]))
                 for n in w[kind]:
-                    torch.testing.assert_close(g[kind][n], w[kind][n], rtol=1e-5, atol=1e-6,
-                                               msg=lambda m, n=n, k=kind: f"{name} step {step} {k} {n}: {m}")
+                    torch.testing.assert_close(
+                        g[kind][n],
+                        w[kind][n],
+                        rtol=1e-5,
+                        atol=1e-6,
+                        msg=lambda m, n=n, k=kind: f"{name} step {step} {k} {n}: {m}",
+                    )
         # Export: the gathered full weights load into the original architecture and reproduce the TP outputs.
         exported = make()
         exported.load_state_dict(tp_full_state(tp_model))

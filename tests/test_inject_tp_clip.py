@@ -15,8 +15,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torchmetrics
 import torch.distributed as dist
+import torchmetrics
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
@@ -40,8 +40,9 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def _reference(norm_type: float, global_batches: list[torch.Tensor], model: nn.Module | None = None,
-               lr: float = LR) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+def _reference(
+    norm_type: float, global_batches: list[torch.Tensor], model: nn.Module | None = None, lr: float = LR
+) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     ref = copy.deepcopy(model if model is not None else _model())
     opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
     losses, norms = [], []
@@ -59,8 +60,9 @@ def _zero_tp_run(norm_type: float) -> dict[str, Any]:
     model = _model()
     groups = apply_tensor_parallel(model, 2)
     split = tp_model_parallel_grads(model, groups.tp_group)
-    zero = DeepSpeedZeroOptimizer_Stage3(model, _sgd(model.parameters()), config=ZeroConfig(),
-                                         process_group=groups.dp_group)
+    zero = DeepSpeedZeroOptimizer_Stage3(
+        model, _sgd(model.parameters()), config=ZeroConfig(), process_group=groups.dp_group
+    )
     zero.state.model_parallel = split
     losses, norms = [], []
     for batch in batches(STEPS, global_batch=4 * groups.dp_size):
@@ -95,8 +97,9 @@ def _overflow_seen_by_all(rank: int) -> bool:
     """fp16 overflow check: an inf in one TP rank's slice must make every rank of the grid skip the step."""
     model = _model()
     groups = apply_tensor_parallel(model, 2)
-    zero = DeepSpeedZeroOptimizer_Stage3(model, _sgd(model.parameters()), config=ZeroConfig(),
-                                         process_group=groups.dp_group)
+    zero = DeepSpeedZeroOptimizer_Stage3(
+        model, _sgd(model.parameters()), config=ZeroConfig(), process_group=groups.dp_group
+    )
     zero.state.model_parallel = tp_model_parallel_grads(model, groups.tp_group)
     zero.backward(gpt_loss(model, batches(1, global_batch=4)[0]))
     pieces = [p for g in zero.optimizer.param_groups for p in g["params"] if p.grad is not None and p.numel()]
@@ -166,24 +169,37 @@ class _SGDModule(TinyGPTModule):
 
 
 def _fit(rank: int, world: int) -> dict[str, Any]:
-    import zlightning  # noqa: F401
     from zlightning.strategies import ZStackZero3Strategy
+
+    import zlightning  # noqa: F401
 
     pl.seed_everything(0, verbose=False)
     module = _SGDModule()
     trainer = pl.Trainer(
-        strategy=ZStackZero3Strategy(tensor_parallel_size=2), accelerator="cpu", devices=world, max_steps=L_STEPS,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=ZStackZero3Strategy(tensor_parallel_size=2),
+        accelerator="cpu",
+        devices=world,
+        max_steps=L_STEPS,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=loader(N_BATCHES, MICRO, world))
     from zlightning.zero import summon_full_params
 
     with summon_full_params(module):  # the module stays sharded after fit
         state = tp_full_state(module.model)
-    return {"losses": module.losses, "state": state, "seen": module.seen,
-            "rows": float(module.rows.compute()), "mean_loss": float(module.mean_loss.compute()),
-            "rows_synced": float(trainer.callback_metrics["rows_synced"])}
+    return {
+        "losses": module.losses,
+        "state": state,
+        "seen": module.seen,
+        "rows": float(module.rows.compute()),
+        "mean_loss": float(module.mean_loss.compute()),
+        "rows_synced": float(trainer.callback_metrics["rows_synced"]),
+    }
 
 
 def _global_batches(world: int, dp: int) -> list[torch.Tensor]:
@@ -207,8 +223,9 @@ def test_lightning_tp_clip_metrics_sampler_match_single_process(world: int) -> N
         # the sampler shards by the DP rank: TP peers (contiguous ranks) read the same rows, DP replicas others
         dp_rank = rank // 2
         for step, seen in enumerate(r["seen"]):
-            torch.testing.assert_close(seen, global_batches[step][MICRO * dp_rank : MICRO * (dp_rank + 1)],
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                seen, global_batches[step][MICRO * dp_rank : MICRO * (dp_rank + 1)], rtol=0, atol=0
+            )
         # torchmetrics and sync_dist reduce over the DP group: dp replicas x MICRO rows (world-wide would be 2x)
         assert r["rows"] == dp * MICRO * L_STEPS, (r["rows"], dp)
         assert r["rows_synced"] == dp * MICRO, (r["rows_synced"], dp)

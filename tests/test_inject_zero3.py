@@ -34,8 +34,9 @@ def _grid_rank(rank: int, world: int) -> dict:
     model = tiny_gpt()
     groups = apply_tensor_parallel(model, 2)  # the one-line strategy hook
     assert (groups.tp_rank, groups.dp_rank, groups.dp_size) == (rank % 2, rank // 2, 2)
-    zero = DeepSpeedZeroOptimizer_Stage3(model, _sgd(model.parameters()), config=ZeroConfig(),
-                                         process_group=groups.dp_group)
+    zero = DeepSpeedZeroOptimizer_Stage3(
+        model, _sgd(model.parameters()), config=ZeroConfig(), process_group=groups.dp_group
+    )
     losses = []
     for batch in batches(STEPS, global_batch=4 * groups.dp_size):
         loss = gpt_loss(model, batch.chunk(groups.dp_size)[groups.dp_rank])  # TP peers see the same rows

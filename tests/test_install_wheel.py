@@ -14,7 +14,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from zlightning.kernels import _build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +72,9 @@ def test_wheel_installs_and_trains_outside_the_repository(tmp_path: Path) -> Non
     src, wheels, venv, work = tmp_path / "src", tmp_path / "wheels", tmp_path / "venv", tmp_path / "work"
     src.mkdir(), work.mkdir()
     _copy_sources(src)
-    built = _run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(wheels)])
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(wheels)]
+    )
     log = built.stdout + built.stderr
     assert "absent from the `packages`" not in log and "zlightning.kernels.csrc" not in log, log[-3000:]
     (wheel,) = wheels.glob("zlightning-*.whl")
@@ -84,8 +85,21 @@ def test_wheel_installs_and_trains_outside_the_repository(tmp_path: Path) -> Non
     # install of the repository) are not processed from a path listed in a .pth file
     (purelib / "parent_env.pth").write_text(sysconfig.get_path("purelib") + "\n")
     python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-          "--ignore-installed", "--quiet", str(wheel)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            "--quiet",
+            str(wheel),
+        ]
+    )
     installed = purelib / "zlightning"
     assert (installed / "kernels" / "csrc" / "ops.cpp").exists() and not (installed / "kernels" / "build").exists()
 
@@ -103,9 +117,10 @@ def test_wheel_installs_and_trains_outside_the_repository(tmp_path: Path) -> Non
         cache.mkdir(parents=True)
         shutil.copy2(ours, cache / _build.LIB_NAME)
         shutil.copy2(ours.parent / "build.json", cache / "build.json")
-    out = _run([str(venv / "bin" / "zlightning"), "kernels", "--build", "--json"], cwd=work,
-               env={**env, "CXX": "/bin/false"}).stdout  # never compiles here: a build would only fail fast
-    report = json.loads(out[out.index("{"):])
+    out = _run(
+        [str(venv / "bin" / "zlightning"), "kernels", "--build", "--json"], cwd=work, env={**env, "CXX": "/bin/false"}
+    ).stdout  # never compiles here: a build would only fail fast
+    report = json.loads(out[out.index("{") :])
     if ours.exists():
         assert "cached build" in out and report["loaded"], out
         assert report["library"] == str(cache / _build.LIB_NAME), report

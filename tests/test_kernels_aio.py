@@ -10,12 +10,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from zlightning.kernels import AIOError, DeepSpeedIOEngine, _aio, _ext
 
-from zlightning.kernels import AIOError, DeepSpeedIOEngine
-from zlightning.kernels import _aio, _ext
-
-BACKENDS = ["python", pytest.param("native", marks=pytest.mark.skipif(
-    not _ext.aio_native_available(), reason="native io_uring backend not built or io_uring not allowed"))]
+BACKENDS = [
+    "python",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            not _ext.aio_native_available(), reason="native io_uring backend not built or io_uring not allowed"
+        ),
+    ),
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -106,9 +111,13 @@ def test_write_at_offset_never_truncates(tmp_path, backend):
 
 
 @settings(max_examples=25, deadline=None)
-@given(nbytes=st.integers(0, 70_000), offset=st.integers(0, 20_000), skip=st.integers(0, 64),
-       block_kib=st.sampled_from([4, 8, 16]),
-       backend=st.sampled_from(["python", "native"] if _ext.aio_native_available() else ["python"]))
+@given(
+    nbytes=st.integers(0, 70_000),
+    offset=st.integers(0, 20_000),
+    skip=st.integers(0, 64),
+    block_kib=st.sampled_from([4, 8, 16]),
+    backend=st.sampled_from(["python", "native"] if _ext.aio_native_available() else ["python"]),
+)
 def test_random_requests_match_plain_python(tmp_path_factory, nbytes, offset, skip, block_kib, backend):
     path = str(tmp_path_factory.mktemp("prop") / "x.bin")
     eng = DeepSpeedIOEngine(block_size=block_kib << 10, queue_depth=3, backend=backend)
@@ -196,8 +205,12 @@ def test_filesystem_without_o_direct_falls_back_with_one_warning(tmp_path, monke
 def test_plan_uses_direct_io_only_for_aligned_blocks():
     a = 1 << 20  # an aligned address
     plan = _aio._plan_blocks(a, 3 * 8192 + 100, 8192, 8192)
-    assert plan == [(True, a, 8192, 8192), (True, a + 8192, 8192, 16384), (True, a + 16384, 8192, 24576),
-                    (False, a + 24576, 100, 32768)]
+    assert plan == [
+        (True, a, 8192, 8192),
+        (True, a + 8192, 8192, 16384),
+        (True, a + 16384, 8192, 24576),
+        (False, a + 24576, 100, 32768),
+    ]
     plan = _aio._plan_blocks(a, 10_000, 8192, 16384)
     assert plan == [(True, a, 8192, 8192), (False, a + 8192, 1808, 16384)]
     assert all(not d for d, *_ in _aio._plan_blocks(a + 8, 20_000, 0, 8192))
@@ -219,8 +232,13 @@ def test_bad_arguments_have_clear_errors(tmp_path):
         eng.async_pwrite(b"abc", tmp_path / "x", 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not allocated by this engine"):
         eng.free_cpu_locked_tensor(torch.empty(3))
-    assert (eng.get_block_size(), eng.get_queue_depth(), eng.get_single_submit(), eng.get_overlap_events(),
-            eng.get_intra_op_parallelism()) == (1 << 20, 8, False, False, 1)
+    assert (
+        eng.get_block_size(),
+        eng.get_queue_depth(),
+        eng.get_single_submit(),
+        eng.get_overlap_events(),
+        eng.get_intra_op_parallelism(),
+    ) == (1 << 20, 8, False, False, 1)
     eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         eng.async_pwrite(torch.empty(4), tmp_path / "x", 0)

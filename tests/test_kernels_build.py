@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from zlightning.kernels import _build, _ext
 
 from zlightning.cli import main
-from zlightning.kernels import _build, _ext
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,8 +41,7 @@ assert "make install" in msgs[0] and "not built" in msgs[0]
 print("OK")
 """
     env = {**os.environ, "ZLIGHTNING_KERNELS_DIR": str(tmp_path / "empty")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
     assert not (tmp_path / "empty").exists()  # nothing was compiled or written
 
@@ -113,7 +112,7 @@ def test_library_path_finds_a_build_in_the_user_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(_build, "_package_build_dir", lambda: tmp_path / "package" / "build")
     key = _build.cache_key()
     assert _build.library_path(key) == tmp_path / "package" / "build" / key / _build.LIB_NAME  # none yet: where
-    cached = tmp_path / "zlightning" / "kernels" / key / _build.LIB_NAME                    # build would write
+    cached = tmp_path / "zlightning" / "kernels" / key / _build.LIB_NAME  # build would write
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"")
     assert _build.library_path(key) == cached

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-
 from zlightning.kernels import CPUAdam, _ext
 from zlightning.kernels._cpu_adam import adam_step_reference
 
@@ -81,8 +80,21 @@ def test_no_bias_correction_matches_reference(kernel):
         g = torch.randn(5000, generator=gen)
         p.grad = g
         opt.step()
-        adam_step_reference(master, g, m, v, None, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                            step=step, bias_correction=False, adamw_mode=True)
+        adam_step_reference(
+            master,
+            g,
+            m,
+            v,
+            None,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            step=step,
+            bias_correction=False,
+            adamw_mode=True,
+        )
     torch.testing.assert_close(p.detach(), master, rtol=1e-6, atol=1e-6)
 
 
@@ -135,8 +147,9 @@ def test_trains_a_model_like_adamw(kernel):
             loss.backward()
             o.step()
         losses.append(loss.item())
-        torch.testing.assert_close(nn.functional.mse_loss(model(x), y), nn.functional.mse_loss(ref(x), y),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            nn.functional.mse_loss(model(x), y), nn.functional.mse_loss(ref(x), y), rtol=1e-5, atol=1e-6
+        )
     assert losses[-1] < 0.7 * losses[0]
 
 
@@ -203,14 +216,15 @@ def test_large_copy_path_matches_plain_step_and_to(copy_dtype, grad_dtype, weigh
             for state, c in ((with_copy, copy), (without, None)):
                 p, g, m, v = state
                 for step in (1, 2):
-                    torch.ops.zlightning.adam_step_(p, g.to(grad_dtype), m, v, c, 1e-3, 0.9, 0.999, 1e-8,
-                                                    weight_decay, step, True, adamw_mode)
+                    torch.ops.zlightning.adam_step_(
+                        p, g.to(grad_dtype), m, v, c, 1e-3, 0.9, 0.999, 1e-8, weight_decay, step, True, adamw_mode
+                    )
             for a, b in zip(with_copy, without):
                 assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), isa
             expect = with_copy[0].to(copy_dtype)
             assert torch.equal(copy.view(torch.int16), expect.view(torch.int16)) or (
-                torch.equal(copy.isnan(), expect.isnan())
-                and torch.equal(copy[~copy.isnan()], expect[~expect.isnan()])), isa
+                torch.equal(copy.isnan(), expect.isnan()) and torch.equal(copy[~copy.isnan()], expect[~expect.isnan()])
+            ), isa
         finally:
             torch.ops.zlightning.set_isa("")
 
@@ -227,6 +241,19 @@ def test_native_op_checks_its_inputs():
 @native
 def test_opcheck_adam_step():
     for copy in (None, torch.empty(1000, dtype=torch.bfloat16)):
-        args = (torch.randn(1000), torch.randn(1000), torch.rand(1000), torch.rand(1000), copy,
-                1e-3, 0.9, 0.999, 1e-8, 0.01, 3, True, True)
+        args = (
+            torch.randn(1000),
+            torch.randn(1000),
+            torch.rand(1000),
+            torch.rand(1000),
+            copy,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.01,
+            3,
+            True,
+            True,
+        )
         torch.library.opcheck(torch.ops.zlightning.adam_step_.default, args)

@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from zlightning.kernels import QuantizedTensor, _ext, dequantize, quantize
 from zlightning.kernels._quant import dequantize_reference, quantize_reference
 
@@ -44,8 +43,13 @@ def test_error_within_half_a_step_and_shape_dtype_restored(bits, symmetric, dtyp
 
 @native
 @settings(max_examples=40, deadline=None)
-@given(numel=st.integers(0, 3000), group=st.sampled_from([2, 8, 64, 100, 256]), mode=st.sampled_from(MODES),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+@given(
+    numel=st.integers(0, 3000),
+    group=st.sampled_from([2, 8, 64, 100, 256]),
+    mode=st.sampled_from(MODES),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
 def test_native_matches_reference_bytes(numel, group, mode, dtype, seed):
     bits, symmetric = mode
     x = (torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
@@ -87,8 +91,9 @@ def test_opcheck_quantize_dequantize():
         x = torch.randn(1000)
         torch.library.opcheck(torch.ops.zlightning.quantize.default, (x, bits, 64, symmetric))
         d, s, o = torch.ops.zlightning.quantize(x, bits, 64, symmetric)
-        torch.library.opcheck(torch.ops.zlightning.dequantize.default,
-                              (d, s, o, bits, 64, symmetric, 1000, torch.bfloat16))
+        torch.library.opcheck(
+            torch.ops.zlightning.dequantize.default, (d, s, o, bits, 64, symmetric, 1000, torch.bfloat16)
+        )
 
 
 @native
@@ -110,4 +115,6 @@ def test_cuda_matches_cpu_reference(bits, symmetric):
     q = quantize(x.cuda(), bits=bits, group_size=128, symmetric=symmetric)
     rd, rs, ro = quantize_reference(x, bits, 128, symmetric)
     assert torch.equal(q.data.cpu(), rd) and torch.equal(q.scale.cpu(), rs)
-    assert isinstance(q, QuantizedTensor) and torch.equal(dequantize(q).cpu(), dequantize(quantize(x, bits, 128, symmetric)))
+    assert isinstance(q, QuantizedTensor) and torch.equal(
+        dequantize(q).cpu(), dequantize(quantize(x, bits, 128, symmetric))
+    )

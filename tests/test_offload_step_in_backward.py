@@ -19,12 +19,20 @@ STEPS, ACCUMULATE = 3, 2
 
 
 def _train(rank: int, world: int, root: str, release: bool, clip: float) -> dict[str, Any]:
-    policy = NVMeOffload(path=os.path.join(root, f"swap{int(release)}{clip}"), buffer_size=1024, buffer_count=6,
-                         step_in_backward=True, release_gradients=release)
+    policy = NVMeOffload(
+        path=os.path.join(root, f"swap{int(release)}{clip}"),
+        buffer_size=1024,
+        buffer_count=6,
+        step_in_backward=True,
+        release_gradients=release,
+    )
     model = tiny_gpt()
     zero = DeepSpeedZeroOptimizer_Stage3(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), config=ZeroConfig(offload_optimizer=policy),
-        gradient_clipping=clip, gradient_accumulation_steps=ACCUMULATE,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+        config=ZeroConfig(offload_optimizer=policy),
+        gradient_clipping=clip,
+        gradient_accumulation_steps=ACCUMULATE,
     )
     early = []
     for i, batch in enumerate(batches(STEPS * ACCUMULATE, global_batch=4 * world)):

@@ -10,7 +10,15 @@ from torch import nn
 
 from examples.gpt_model import GPT, GPTConfig
 from examples.gpt_pipe import gpt_layers, gpt_pipeline, gpt_state_to_pipe
-from zlightning.pipe import LayerSpec, PipeGrid, build_schedule, PipelineConfig, PipelineEngine, PipelineModule, TiedLayerSpec
+from zlightning.pipe import (
+    LayerSpec,
+    PipeGrid,
+    PipelineConfig,
+    PipelineEngine,
+    PipelineModule,
+    TiedLayerSpec,
+    build_schedule,
+)
 from zlightning.pipe._engine import split_microbatches
 from zlightning.pipe._p2p import flatten, unflatten
 from zlightning.pipe._partition import partition_balanced, partition_uniform
@@ -103,10 +111,14 @@ def test_activation_checkpointing_gives_same_gradients() -> None:
 
 
 def test_single_process_engine_and_errors() -> None:
-    module = PipelineModule([LayerSpec(nn.Linear, 4, 4), lambda x: x * 2, LayerSpec(nn.Linear, 4, 1)], loss_fn=nn.functional.mse_loss)
+    module = PipelineModule(
+        [LayerSpec(nn.Linear, 4, 4), lambda x: x * 2, LayerSpec(nn.Linear, 4, 1)], loss_fn=nn.functional.mse_loss
+    )
     engine = PipelineEngine(module, lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2))
     x, y = torch.randn(4, 4), torch.randn(4, 1)
-    ref = PipelineModule([LayerSpec(nn.Linear, 4, 4), lambda x: x * 2, LayerSpec(nn.Linear, 4, 1)], loss_fn=nn.functional.mse_loss).build()
+    ref = PipelineModule(
+        [LayerSpec(nn.Linear, 4, 4), lambda x: x * 2, LayerSpec(nn.Linear, 4, 1)], loss_fn=nn.functional.mse_loss
+    ).build()
     expected = nn.functional.mse_loss(ref(x), y)
     torch.testing.assert_close(engine.train_batch(batch=(x, y)), expected.detach())
     expected.backward()
@@ -175,9 +187,9 @@ def test_structures_round_trip_and_split() -> None:
 
 def test_strategy_is_registered_and_validates_arguments() -> None:
     import lightning.pytorch as pl
+    from zlightning.strategies import PipelinePrecision, PipelineStrategy
 
     import zlightning  # noqa: F401  (registers the strategies)
-    from zlightning.strategies import PipelinePrecision, PipelineStrategy
 
     assert "zstack_pipeline" in pl.strategies.StrategyRegistry
     with pytest.raises(ValueError, match="unknown partition_method 'balanced'"):
@@ -202,7 +214,9 @@ def test_single_process_checkpoint_and_cli_consolidation(tmp_path: Path) -> None
     from zlightning.pipe import consolidate_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=2, n_head=2)
-    engine = PipelineEngine(gpt_pipeline(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-2), PipelineConfig(micro_batches=2))
+    engine = PipelineEngine(
+        gpt_pipeline(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-2), PipelineConfig(micro_batches=2)
+    )
     ids = torch.randint(0, 32, (4, 9))
     engine.train_batch(batch=(ids[:, :-1], ids[:, 1:]))
     save_pipeline_checkpoint(engine, tmp_path / "ckpt", client_state={"epoch": 1})
@@ -219,7 +233,9 @@ def test_single_process_checkpoint_and_cli_consolidation(tmp_path: Path) -> None
     saved = torch.load(optim_file, weights_only=False)
     assert len(saved["param_names"]) == len(list(engine.module.parameters())) and None not in saved["param_names"]
     torch.save(saved["optimizer"], optim_file)
-    again = PipelineEngine(gpt_pipeline(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-2), PipelineConfig(micro_batches=2))
+    again = PipelineEngine(
+        gpt_pipeline(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-2), PipelineConfig(micro_batches=2)
+    )
     load_pipeline_checkpoint(again, tmp_path / "ckpt")
     assert len(again.optimizer.state) == len(engine.optimizer.state) > 0
     meta = torch.load(tmp_path / "ckpt" / "meta.pt", weights_only=True)

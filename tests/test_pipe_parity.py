@@ -12,8 +12,10 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from examples.gpt_model import GPTConfig
 from examples.gpt_pipe import gpt_pipeline
@@ -25,9 +27,6 @@ from zlightning.pipe import (
     save_pipeline_checkpoint,
 )
 from zlightning.testing import run_distributed
-
-import lightning.pytorch as pl
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=4, n_head=4, bias=False)
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv")
@@ -50,7 +49,11 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def reference_on(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], dp: int, accumulate: int = 1, micro: int = MICRO, clip: float = CLIP
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dp: int,
+    accumulate: int = 1,
+    micro: int = MICRO,
+    clip: float = CLIP,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, whole model (``build()`` = one stage). Each replica's share (``chunk(dp)``) of every global batch
     is accumulated over ``micro`` micro-batches into its own gradient and the replicas' gradients are averaged: the
@@ -97,7 +100,9 @@ def reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference_on(data(), dp)
 
 
-def _train(pp: int, config: PipelineConfig, **module_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor], PipelineEngine]:
+def _train(
+    pp: int, config: PipelineConfig, **module_kwargs: Any
+) -> tuple[list[float], dict[str, torch.Tensor], PipelineEngine]:
     module = gpt_pipeline(CFG, num_stages=pp, **module_kwargs)
     engine = PipelineEngine(module, make_optimizer, config)
     d, dp = engine.grid.dp_rank, engine.grid.dp
@@ -135,7 +140,12 @@ class FromDict(torch.nn.Module):
 def structured_module(**kw: Any) -> Any:
     from zlightning.pipe import LayerSpec, PipelineModule
 
-    return PipelineModule([LayerSpec(ToDict, 8), LayerSpec(FromDict, 8)], loss_fn=torch.nn.functional.mse_loss, partition_method="uniform", **kw)
+    return PipelineModule(
+        [LayerSpec(ToDict, 8), LayerSpec(FromDict, 8)],
+        loss_fn=torch.nn.functional.mse_loss,
+        partition_method="uniform",
+        **kw,
+    )
 
 
 def structured_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,20 +155,30 @@ def structured_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def rank_two_stages(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    engine = PipelineEngine(structured_module(num_stages=2), lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2))
+    engine = PipelineEngine(
+        structured_module(num_stages=2), lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2)
+    )
     out["structured"] = [float(engine.train_batch(batch=b)) for b in structured_data()]
     for sched in SCHEDULES:
         kw = {"activation_checkpoint_interval": 1} if sched in ("1f1b", "zb_h1") else {}
-        losses, state, engine = _train(2, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), **kw)
+        losses, state, engine = _train(
+            2, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), **kw
+        )
         out[sched] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
         if sched == "zbv":  # a zero-bubble checkpoint resumes into another schedule and split (zb_h1, 2 stages)
             save_pipeline_checkpoint(engine, f"{ckpt_dir}/zbv")
-            other = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO, schedule="zb_h1", gradient_clipping=CLIP))
+            other = PipelineEngine(
+                gpt_pipeline(CFG, num_stages=2),
+                make_optimizer,
+                PipelineConfig(micro_batches=MICRO, schedule="zb_h1", gradient_clipping=CLIP),
+            )
             load_pipeline_checkpoint(other, f"{ckpt_dir}/zbv")
             x, y = data(1, seed=9)[0]
             out["zbv_resume"] = (float(engine.train_batch(batch=(x, y))), float(other.train_batch(batch=(x, y))))
-            out["zbv_next"] = ({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
-                               {k: v.detach().clone() for k, v in other.module.state_dict().items()})
+            out["zbv_next"] = (
+                {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+                {k: v.detach().clone() for k, v in other.module.state_dict().items()},
+            )
         if sched == "interleaved_1f1b":
             interleaved = engine
     engine = interleaved
@@ -172,7 +192,11 @@ def rank_two_stages(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
         out["batch_loss_nograd"] = float(engine.module.batch_loss((x, y)))
     save_pipeline_checkpoint(engine, ckpt_dir, client_state={"step": 3})
     module2 = gpt_pipeline(CFG, num_stages=2)
-    engine2 = PipelineEngine(module2, make_optimizer, PipelineConfig(micro_batches=MICRO, schedule="interleaved_1f1b", gradient_clipping=CLIP))
+    engine2 = PipelineEngine(
+        module2,
+        make_optimizer,
+        PipelineConfig(micro_batches=MICRO, schedule="interleaved_1f1b", gradient_clipping=CLIP),
+    )
     out["client"] = load_pipeline_checkpoint(engine2, ckpt_dir)
     # weights reload into another split (2 stages, 1F1B: [0, 4, 8] instead of 4 interleaved chunks)
     engine3 = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO))
@@ -210,7 +234,12 @@ def test_two_stages_match_single_process(two_stage_runs: Any, schedule: str) -> 
         torch.testing.assert_close(r[schedule]["losses"], ref_losses, **TOL)
     _check_states([r[schedule]["state"] for r in runs], ref_state)
     if schedule != "zbv":  # tied embedding identical on both owning stages (zbv: stages 0 and 3 share rank 0)
-        torch.testing.assert_close(runs[0][schedule]["state"]["tied_modules.embed.weight"], runs[1][schedule]["state"]["tied_modules.embed.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            runs[0][schedule]["state"]["tied_modules.embed.weight"],
+            runs[1][schedule]["state"]["tied_modules.embed.weight"],
+            rtol=0,
+            atol=0,
+        )
     else:
         assert "tied_modules.embed.weight" not in runs[1][schedule]["state"]
     assert len(runs[0][schedule]["bounds"]) == 2 * CHUNKS[schedule] + 1
@@ -274,13 +303,25 @@ def rank_four(rank: int, world: int) -> dict[str, Any]:
     losses, state, engine = _train(2, PipelineConfig(micro_batches=MICRO, zero_stage=1, gradient_clipping=CLIP))
     owned = engine.zero1.owner if engine.zero1 else []
     n_state = len(engine.optimizer.state)
-    out["dp2pp2"] = {"losses": losses, "state": state, "grid": (engine.grid.stage, engine.grid.dp_rank), "n_state": n_state, "n_params": len(owned)}
-    losses, state, engine = _train(4, PipelineConfig(micro_batches=MICRO, gradient_clipping=CLIP), partition_method="uniform")
+    out["dp2pp2"] = {
+        "losses": losses,
+        "state": state,
+        "grid": (engine.grid.stage, engine.grid.dp_rank),
+        "n_state": n_state,
+        "n_params": len(owned),
+    }
+    losses, state, engine = _train(
+        4, PipelineConfig(micro_batches=MICRO, gradient_clipping=CLIP), partition_method="uniform"
+    )
     out["pp4"] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
     for sched in ("zb_h1", "zbv"):
-        losses, state, engine = _train(4, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), partition_method="uniform")
+        losses, state, engine = _train(
+            4, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), partition_method="uniform"
+        )
         out[f"pp4_{sched}"] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
-    losses, state, engine = _train(2, PipelineConfig(micro_batches=MICRO, schedule="zbv", zero_stage=1, gradient_clipping=CLIP))
+    losses, state, engine = _train(
+        2, PipelineConfig(micro_batches=MICRO, schedule="zbv", zero_stage=1, gradient_clipping=CLIP)
+    )
     out["dp2pp2_zbv"] = {"losses": losses, "state": state}
     return out
 
@@ -319,8 +360,6 @@ def test_dp2_pp2_zero1_zbv_matches_single_process(four_rank_runs: list[dict[str,
     _check_states([r["state"] for r in runs], ref_state)
 
 
-
-
 # ---------------------------------------------------------------------------------------------------- Lightning
 ACCUM, BATCHES_PER_EPOCH = 2, 6
 
@@ -353,7 +392,9 @@ class PipeGPT(pl.LightningModule):
 
 def _dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(3)
-    return TensorDataset(torch.randint(0, CFG.vocab_size, (BATCHES_PER_EPOCH * GLOBAL_BATCH, CFG.seq_len + 1), generator=g))
+    return TensorDataset(
+        torch.randint(0, CFG.vocab_size, (BATCHES_PER_EPOCH * GLOBAL_BATCH, CFG.seq_len + 1), generator=g)
+    )
 
 
 def _val_ids() -> torch.Tensor:
@@ -381,9 +422,17 @@ def _fit(world: int, strategy: Any, epochs: int, ckpt: str | None = None) -> tup
     pl.seed_everything(0, verbose=False)
     module = PipeGPT()
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_epochs=epochs, accumulate_grad_batches=ACCUM,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_epochs=epochs,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     dp = world // 2
     train = DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp)
@@ -400,12 +449,17 @@ def rank_lightning_two(rank: int, world: int, ckpt_dir: str, engine_ckpt_dir: st
     from zlightning.strategies import PipelineStrategy
 
     module, trainer = _fit(world, PipelineStrategy(micro_batches=MICRO), epochs=1)
-    out: dict[str, Any] = {"losses": module.losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
-                           "train_loss": float(trainer.callback_metrics["train_loss"])}
+    out: dict[str, Any] = {
+        "losses": module.losses,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "train_loss": float(trainer.callback_metrics["train_loss"]),
+    }
     trainer.save_checkpoint(ckpt_dir)
     resumed, resumed_trainer = _fit(world, "zstack_pipeline", epochs=2, ckpt=ckpt_dir)
     out["resumed_losses"] = resumed.losses
-    out["predictions"] = resumed_trainer.predict(resumed, DataLoader(TensorDataset(_val_ids()), batch_size=GLOBAL_BATCH))
+    out["predictions"] = resumed_trainer.predict(
+        resumed, DataLoader(TensorDataset(_val_ids()), batch_size=GLOBAL_BATCH)
+    )
     out["state"] = _state(resumed)
     zb, _ = _fit(world, PipelineStrategy(micro_batches=MICRO, schedule="zbv"), epochs=1)
     out["zbv"] = {"losses": zb.losses, "state": _state(zb)}
@@ -414,12 +468,17 @@ def rank_lightning_two(rank: int, world: int, ckpt_dir: str, engine_ckpt_dir: st
 
 
 def rank_lightning_four(rank: int, world: int) -> dict[str, Any]:
-    from zlightning.pipe import PipelineConfig
     from zlightning.strategies import PipelineStrategy
+
+    from zlightning.pipe import PipelineConfig
 
     strategy = PipelineStrategy(num_stages=2, config=PipelineConfig(micro_batches=MICRO, zero_stage=1))
     module, _ = _fit(world, strategy, epochs=1)
-    out = {"losses": module.losses, "state": _state(module), "grid": (strategy.engine.grid.stage, strategy.engine.grid.dp_rank)}
+    out = {
+        "losses": module.losses,
+        "state": _state(module),
+        "grid": (strategy.engine.grid.stage, strategy.engine.grid.dp_rank),
+    }
     return {"lightning": out, **rank_four(rank, world)}
 
 
@@ -439,7 +498,9 @@ def test_lightning_two_stages_with_accumulation_clipping_validation_resume(two_r
     model.load_state_dict(ref_state_1)
     ids = _val_ids()
     with torch.no_grad():
-        val = torch.stack([model.compute_loss(model(x), y) for x, y in zip(ids[:, :-1].chunk(MICRO), ids[:, 1:].chunk(MICRO))]).mean()
+        val = torch.stack(
+            [model.compute_loss(model(x), y) for x, y in zip(ids[:, :-1].chunk(MICRO), ids[:, 1:].chunk(MICRO))]
+        ).mean()
     for r in runs:  # every rank reports the batch's mean loss (what self.log and the progress bar show)
         torch.testing.assert_close(r["losses"], ref_losses_1, **TOL)
         torch.testing.assert_close(r["train_loss"], ref_losses_1[-1], **TOL)

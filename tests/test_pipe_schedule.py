@@ -102,7 +102,10 @@ def test_simulator_catches_unmatched_and_misordered_transfers() -> None:
     with pytest.raises(ScheduleError, match="never received"):
         simulate(_sched(["0F0,0SEND_F0,0SEND_F0,0RECV_B0,0B0", "1RECV_F0,1F0,1B0,1SEND_B0"]))
     # rank 1 receives micro-batch 1 first while rank 0 sent 0 first: FIFO pairing would swap the tensors
-    rows = ["0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1", "1RECV_F1,1F1,1RECV_F0,1F0,1B0,1SEND_B0,1B1,1SEND_B1"]
+    rows = [
+        "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1",
+        "1RECV_F1,1F1,1RECV_F0,1F0,1B0,1SEND_B0,1B1,1SEND_B1",
+    ]
     with pytest.raises(ScheduleError, match="first-in first-out"):
         simulate(_sched(rows, m=2))
     with pytest.raises(ScheduleError, match="lowered"):

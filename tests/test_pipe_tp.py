@@ -18,8 +18,12 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from zlightning.strategies import PipelineStrategy
 
 from examples.gpt_model import Block, GPTConfig
 from examples.gpt_pipe import PositionalEmbedding, gpt_pipeline, lm_loss
@@ -34,12 +38,7 @@ from zlightning.pipe import (
     load_pipeline_checkpoint,
     save_pipeline_checkpoint,
 )
-from zlightning.strategies import PipelineStrategy
 from zlightning.testing import run_distributed
-
-import lightning.pytorch as pl
-import torchmetrics
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=4, n_head=4, bias=True)
 STEPS, GLOBAL_BATCH, MICRO, LR, CLIP = 3, 8, 4, 1.0, 0.05
@@ -87,7 +86,12 @@ class Head(torch.nn.Module):
 
 
 def untied_pipeline(**kwargs: Any) -> PipelineModule:
-    layers = [LayerSpec(Embed), LayerSpec(PositionalEmbedding, CFG), *[LayerSpec(Block, CFG) for _ in range(2)], LayerSpec(Head)]
+    layers = [
+        LayerSpec(Embed),
+        LayerSpec(PositionalEmbedding, CFG),
+        *[LayerSpec(Block, CFG) for _ in range(2)],
+        LayerSpec(Head),
+    ]
     return PipelineModule(layers, loss_fn=lm_loss, partition_method="type:Block", **kwargs)
 
 
@@ -96,7 +100,9 @@ def build(model: str, **kwargs: Any) -> PipelineModule:
 
 
 @functools.cache
-def reference(dp: int, seed: int = 3, lightning_order: bool = False, model: str = "gpt") -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference(
+    dp: int, seed: int = 3, lightning_order: bool = False, model: str = "gpt"
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, the whole unsharded model. Each replica's share of a batch is accumulated over ``MICRO``
     micro-batches and the replicas' gradients averaged (the pipeline's summation order). Returns the losses, the
     pre-clipping gradient norms and the final weights."""
@@ -128,11 +134,24 @@ def reference(dp: int, seed: int = 3, lightning_order: bool = False, model: str 
         torch.set_num_threads(threads)
 
 
-def _train(pp: int, tp: int, zero_stage: int, policy: InjectPolicy | None = None, model: str = "gpt",
-           schedule: str = "1f1b", checkpoint_every: int = 0) -> dict[str, Any]:
+def _train(
+    pp: int,
+    tp: int,
+    zero_stage: int,
+    policy: InjectPolicy | None = None,
+    model: str = "gpt",
+    schedule: str = "1f1b",
+    checkpoint_every: int = 0,
+) -> dict[str, Any]:
     module = build(model, num_stages=pp, activation_checkpoint_interval=checkpoint_every)
-    config = PipelineConfig(micro_batches=MICRO, gradient_clipping=CLIP, tensor_parallel_size=tp, zero_stage=zero_stage,
-                            tp_policy=policy, schedule=schedule)  # type: ignore[arg-type]
+    config = PipelineConfig(
+        micro_batches=MICRO,
+        gradient_clipping=CLIP,
+        tensor_parallel_size=tp,
+        zero_stage=zero_stage,
+        tp_policy=policy,
+        schedule=schedule,
+    )  # type: ignore[arg-type]
     engine = PipelineEngine(module, make_optimizer, config)
     g = engine.grid
     norms: list[float] = []
@@ -141,11 +160,23 @@ def _train(pp: int, tp: int, zero_stage: int, policy: InjectPolicy | None = None
     losses = []
     for x, y in data():
         b = x.shape[0] // g.dp
-        losses.append(float(engine.train_batch(batch=(x[g.dp_rank * b : (g.dp_rank + 1) * b], y[g.dp_rank * b : (g.dp_rank + 1) * b]))))
+        losses.append(
+            float(
+                engine.train_batch(
+                    batch=(x[g.dp_rank * b : (g.dp_rank + 1) * b], y[g.dp_rank * b : (g.dp_rank + 1) * b])
+                )
+            )
+        )
     full = tp_full_state(module)  # collective over each layer's TP group
     sharded = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    return {"losses": losses, "norms": norms, "state": full, "coords": (g.stage, g.dp_rank, g.tp_rank), "shapes": sharded,
-            "engine": engine}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": full,
+        "coords": (g.stage, g.dp_rank, g.tp_rank),
+        "shapes": sharded,
+        "engine": engine,
+    }
 
 
 class OddMLP(torch.nn.Module):
@@ -184,8 +215,9 @@ class PipeGPT(pl.LightningModule):
 
 def _loader() -> DataLoader:
     batches = data(seed=7)
-    return DataLoader(TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])),
-                      batch_size=GLOBAL_BATCH)
+    return DataLoader(
+        TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])), batch_size=GLOBAL_BATCH
+    )
 
 
 def _lightning(world: int, tmp: Path) -> dict[str, Any]:
@@ -193,21 +225,44 @@ def _lightning(world: int, tmp: Path) -> dict[str, Any]:
     module = PipeGPT()
     strategy = PipelineStrategy(num_stages=2, micro_batches=MICRO, tensor_parallel_size=2)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_epochs=1, gradient_clip_val=CLIP, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, _loader())
     g = strategy.engine.grid
-    votes = [strategy.reduce_boolean_decision(d, all=a) for d, a in ((True, True), (g.rank == 3, False), (g.rank != 3, True))]
+    votes = [
+        strategy.reduce_boolean_decision(d, all=a) for d, a in ((True, True), (g.rank == 3, False), (g.rank != 3, True))
+    ]
     trainer.save_checkpoint(tmp / "pl_ckpt")
     resumed = PipeGPT()  # resumes at the end of the finished epoch: the weights come back, nothing trains
     strategy2 = PipelineStrategy(num_stages=2, micro_batches=MICRO, tensor_parallel_size=2)
-    pl.Trainer(strategy=strategy2, accelerator="cpu", devices=world, max_epochs=1, logger=False,
-               enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp / "pl_root"),
-               ).fit(resumed, _loader(), ckpt_path=str(tmp / "pl_ckpt"))
-    return {"votes": votes, "resumed_state": tp_full_state(resumed.pipe), "losses": module.losses, "state": tp_full_state(module.pipe), "coords": (g.stage, g.dp_rank, g.tp_rank),
-            "replicas": float(trainer.callback_metrics["replicas"]), "batch_count": module.batch_count,
-            "sampler": strategy.distributed_sampler_kwargs}
+    pl.Trainer(
+        strategy=strategy2,
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp / "pl_root"),
+    ).fit(resumed, _loader(), ckpt_path=str(tmp / "pl_ckpt"))
+    return {
+        "votes": votes,
+        "resumed_state": tp_full_state(resumed.pipe),
+        "losses": module.losses,
+        "state": tp_full_state(module.pipe),
+        "coords": (g.stage, g.dp_rank, g.tp_rank),
+        "replicas": float(trainer.callback_metrics["replicas"]),
+        "batch_count": module.batch_count,
+        "sampler": strategy.distributed_sampler_kwargs,
+    }
 
 
 def _checkpoint(rank: int, tmp: Path) -> dict[str, Any]:
@@ -225,9 +280,14 @@ def _checkpoint(rank: int, tmp: Path) -> dict[str, Any]:
     out["resumed_loss"] = float(resumed.train_batch(batch=batches[2]))
     out["resumed_state"] = tp_full_state(resumed.module)
     out["files"] = sorted(p.name for p in (tmp / "ckpt").iterdir())
-    other = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO))  # DP2 x PP2
+    other = PipelineEngine(
+        gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO)
+    )  # DP2 x PP2
     errors = []
-    for load in (lambda: load_pipeline_checkpoint(other, tmp / "ckpt"), lambda: consolidate_pipeline_checkpoint(tmp / "ckpt")):
+    for load in (
+        lambda: load_pipeline_checkpoint(other, tmp / "ckpt"),
+        lambda: consolidate_pipeline_checkpoint(tmp / "ckpt"),
+    ):
         try:
             load()
             errors.append(None)
@@ -240,7 +300,9 @@ def _checkpoint(rank: int, tmp: Path) -> dict[str, Any]:
 def _ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {"lightning": _lightning(world, Path(tmp))}
     runs: dict[str, dict[str, Any]] = {
-        "pp2tp2": {"pp": 2}, "dp2tp2": {"pp": 1, "zero_stage": 1}, "plan": {"pp": 2, "policy": PLAN},
+        "pp2tp2": {"pp": 2},
+        "dp2tp2": {"pp": 1, "zero_stage": 1},
+        "plan": {"pp": 2, "policy": PLAN},
         "untied": {"pp": 2, "model": "untied"},
         "interleaved": {"pp": 2, "schedule": "interleaved_1f1b", "checkpoint_every": 1},  # 2 chunks per rank
     }
@@ -259,16 +321,23 @@ def _ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     except ValueError as err:
         out["data_error"] = str(err)
     # a layer that cannot be sharded on stage 1 only: every rank raises (no rank left waiting for the others)
-    odd = PipelineModule([LayerSpec(Block, CFG), LayerSpec(OddMLP)], loss_fn=torch.nn.functional.mse_loss,
-                         partition_method="uniform", num_stages=2)
+    odd = PipelineModule(
+        [LayerSpec(Block, CFG), LayerSpec(OddMLP)],
+        loss_fn=torch.nn.functional.mse_loss,
+        partition_method="uniform",
+        num_stages=2,
+    )
     try:
         PipelineEngine(odd, make_optimizer, PipelineConfig(micro_batches=2, tensor_parallel_size=2))
         out["shard_error"] = None
     except Exception as err:  # noqa: BLE001 (the type is checked by the test)
         out["shard_error"] = f"{type(err).__name__}: {err}"
     try:  # a plan entry that matches no stage: every rank raises
-        PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer,
-                       PipelineConfig(tensor_parallel_size=2, tp_policy=InjectPolicy(plan={r"layers\.\d+\.nothing": "row"})))
+        PipelineEngine(
+            gpt_pipeline(CFG, num_stages=2),
+            make_optimizer,
+            PipelineConfig(tensor_parallel_size=2, tp_policy=InjectPolicy(plan={r"layers\.\d+\.nothing": "row"})),
+        )
         out["plan_error"] = None
     except ValueError as err:
         out["plan_error"] = str(err)
@@ -277,12 +346,14 @@ def _ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_distributed(_ranks, 4, str(tmp_path_factory.mktemp("pptp")), timeout=240, threads=1,
-                           init_process_group=False)
+    return run_distributed(
+        _ranks, 4, str(tmp_path_factory.mktemp("pptp")), timeout=240, threads=1, init_process_group=False
+    )
 
 
-def _check_run(results: list[dict[str, Any]], name: str, dp: int, seed: int = 3, lightning_order: bool = False,
-               model: str = "gpt") -> None:
+def _check_run(
+    results: list[dict[str, Any]], name: str, dp: int, seed: int = 3, lightning_order: bool = False, model: str = "gpt"
+) -> None:
     ref_losses, ref_norms, ref_state = reference(dp, seed, lightning_order, model)
     assert min(ref_norms) > 4 * CLIP  # the clipping bites at every step
     for r in results:
@@ -291,7 +362,9 @@ def _check_run(results: list[dict[str, Any]], name: str, dp: int, seed: int = 3,
         if "norms" in run:
             torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref_norms), **TOL)
         for key, value in run["state"].items():
-            torch.testing.assert_close(value, ref_state[key], **TOL, msg=lambda m, k=key: f"{name} rank {r[name]['coords']} {k}: {m}")
+            torch.testing.assert_close(
+                value, ref_state[key], **TOL, msg=lambda m, k=key: f"{name} rank {r[name]['coords']} {k}: {m}"
+            )
     merged = {k for r in results for k in r[name]["state"]}
     assert merged == set(ref_state), set(ref_state) ^ merged  # every parameter is checked on some rank
 
@@ -323,7 +396,9 @@ def test_pp2_tp2_untied_embedding_and_head_layer_match_single_process(results: l
     assert first[next(n for n in first if n.endswith("wte.weight"))] == (CFG.vocab_size, CFG.d_model // 2), first
 
 
-def test_pp2_tp2_interleaved_with_activation_checkpointing_matches_single_process(results: list[dict[str, Any]]) -> None:
+def test_pp2_tp2_interleaved_with_activation_checkpointing_matches_single_process(
+    results: list[dict[str, Any]],
+) -> None:
     _check_run(results, "interleaved", dp=1)
 
 
@@ -354,7 +429,9 @@ def test_tp_mismatched_data_and_unshardable_layer_raise(results: list[dict[str, 
     for r in results:
         assert r["data_error"] is not None and "data-parallel rank" in r["data_error"]
     for r in results[:2]:  # stage 0 learns that stage 1 failed
-        assert r["shard_error"] is not None and r["shard_error"].startswith("RuntimeError: tensor parallelism could not")
+        assert r["shard_error"] is not None and r["shard_error"].startswith(
+            "RuntimeError: tensor parallelism could not"
+        )
     for r in results[2:]:
         assert r["shard_error"] is not None and r["shard_error"].startswith("InjectError") and "fc" in r["shard_error"]
 

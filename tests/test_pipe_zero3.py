@@ -68,7 +68,11 @@ def rank_engines(rank: int, ckpt: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     batches = data()
     for stage in (3, 2):
-        engine = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO, zero_stage=stage, gradient_clipping=CLIP))
+        engine = PipelineEngine(
+            gpt_pipeline(CFG, num_stages=2),
+            make_optimizer,
+            PipelineConfig(micro_batches=MICRO, zero_stage=stage, gradient_clipping=CLIP),
+        )
         losses, gathers, scatters = [], [], []
         for x, y in batches:
             g0, r0 = counter.gathers, sum(s.reduce_scatters for s in engine.zero.states)
@@ -76,8 +80,12 @@ def rank_engines(rank: int, ckpt: Path) -> dict[str, Any]:
             gathers.append(counter.gathers - g0)
             scatters.append(sum(s.reduce_scatters for s in engine.zero.states) - r0)
         out[f"zero{stage}"] = {
-            "losses": losses, "state": _full(engine), "gathers": gathers, "scatters": scatters,
-            "groups": sum(len(s.groups) for s in engine.zero.states), "memory": engine.memory_report(),
+            "losses": losses,
+            "state": _full(engine),
+            "gathers": gathers,
+            "scatters": scatters,
+            "groups": sum(len(s.groups) for s in engine.zero.states),
+            "memory": engine.memory_report(),
             "grid": (engine.grid.stage, engine.grid.dp_rank),
         }
         if stage == 3:
@@ -98,7 +106,11 @@ def rank_engines(rank: int, ckpt: Path) -> dict[str, Any]:
         out[f"resumed_{name}"] = _full(other)
         if name == "zero1":  # and back: a ZeRO-1 checkpoint under ZeRO-3
             save_pipeline_checkpoint(other, ckpt / "zero1")
-            back = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO, zero_stage=3, gradient_clipping=CLIP))
+            back = PipelineEngine(
+                gpt_pipeline(CFG, num_stages=2),
+                make_optimizer,
+                PipelineConfig(micro_batches=MICRO, zero_stage=3, gradient_clipping=CLIP),
+            )
             load_pipeline_checkpoint(back, ckpt / "zero1")
             out["zero1_reloaded"] = (_full(back), _full(other))
     return out

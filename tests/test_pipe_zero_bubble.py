@@ -50,7 +50,11 @@ def test_placements() -> None:
     assert build_schedule("zb_h1", 3, 6).stages_of(1) == (1,)
     assert build_schedule("inference", 3, 6, 2, "v").stages_of(0) == (0, 5)
     # the turn of the V (stage 2 -> 3, both on rank 2) needs no transfer
-    assert not any(a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) and a.stage in (2, 3) and a.stage != 2 for a in v.programs[2] if a.kind is ActionKind.RECV_F)
+    assert not any(
+        a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) and a.stage in (2, 3) and a.stage != 2
+        for a in v.programs[2]
+        if a.kind is ActionKind.RECV_F
+    )
     assert Action(2, ActionKind.SEND_F, 0) not in v.programs[2]
 
 
@@ -107,7 +111,9 @@ def test_lowering_receives_in_the_senders_order() -> None:
     text = " ".join(map(str, prog))
     assert "1RECV_F2 2RECV_B0 2B0" in text
     # schedules whose receive order already matches are lowered exactly as before
-    assert " ".join(map(str, add_send_recv(build_schedule("1f1b", 2, 4)).programs[1][:4])) == "1RECV_F0 1F0 1B0 1SEND_B0"
+    assert (
+        " ".join(map(str, add_send_recv(build_schedule("1f1b", 2, 4)).programs[1][:4])) == "1RECV_F0 1F0 1B0 1SEND_B0"
+    )
 
 
 def test_config_accepts_zero_bubble_schedules() -> None:
@@ -140,7 +146,9 @@ def test_split_backward_equals_one_backward(interval: int) -> None:
     work = backward_input([loss * 0.5], [torch.ones(())], [x])
     assert work is not None and work.levels
     # B leaves every matrix multiply's weight gradient to W; only the norms' (same kernel as their dX) are there
-    assert _grads(split) and all(".ln_" in name or name.startswith("6.") for name in _grads(split)), sorted(_grads(split))
+    assert _grads(split) and all(".ln_" in name or name.startswith("6.") for name in _grads(split)), sorted(
+        _grads(split)
+    )
     backward_weight(work)
     (whole.compute_loss(whole.run_stage(1, x_ref), y) * 0.5).backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
@@ -174,7 +182,9 @@ def test_first_stage_is_all_weight_and_shared_weights_fall_back() -> None:
 def test_single_process_engine_with_zero_bubble_schedule(schedule: str) -> None:
     """One rank (P = 1; zbv: both chunks of the V on it): train_batch equals a plain loop."""
     ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
-    engine = PipelineEngine(gpt_pipeline(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2, schedule=schedule))
+    engine = PipelineEngine(
+        gpt_pipeline(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), PipelineConfig(micro_batches=2, schedule=schedule)
+    )
     ref = gpt_pipeline(CFG).build()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):

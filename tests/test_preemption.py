@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests._fork_ranks import RankForker, wait_for
 from zlightning.strategies._launch import TERMINATE_GRACE_S, TERMINATED_EXIT_CODE
 from zlightning.strategies._preemption import PREEMPT_TIMEOUT_ENV, preemption_timeout
+
+from tests._fork_ranks import RankForker, wait_for
 
 STEPS = 10  # 6 batches per epoch: the runs cross an epoch boundary
 
@@ -61,7 +61,7 @@ def _fit(rank: int, world: int, root: str, phase: str, step_s: float = 0.05) -> 
     from tests._zero_models import batches
 
     micro = 2
-    loader = ResumableBatches([b[rank * micro:(rank + 1) * micro] for b in batches(6, micro * world)])
+    loader = ResumableBatches([b[rank * micro : (rank + 1) * micro] for b in batches(6, micro * world)])
     out = Path(root) / f"{phase}-rank{rank}"
 
     class Module(TinyGPTModule):
@@ -76,8 +76,15 @@ def _fit(rank: int, world: int, root: str, phase: str, step_s: float = 0.05) -> 
     pl.seed_everything(0, verbose=False)
     callbacks = [] if phase == "straight" else [ModelCheckpoint(dirpath=Path(root) / "ckpt", save_top_k=0)]
     trainer = pl.Trainer(
-        strategy="zstack_zero3", accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+        strategy="zstack_zero3",
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
         enable_checkpointing=phase != "straight",
     )
     trainer.fit(Module(), train_dataloaders=loader, ckpt_path="last" if phase == "resumed" else None)
@@ -110,7 +117,8 @@ def test_sigterm_saves_one_checkpoint_and_the_resumed_run_is_exact(
     forker.start("tests.test_preemption:_fit", tmp_path / "logs", root=str(tmp_path), phase="preempted")
     progress = tmp_path / "preempted-rank0"
     assert wait_for(lambda: progress.exists() and len(progress.read_text().splitlines()) >= 3, timeout=60), (
-        (tmp_path / "logs" / "rank0.log").read_text()[-3000:])
+        tmp_path / "logs" / "rank0.log"
+    ).read_text()[-3000:]
     start = time.monotonic()
     forker.kill(signal.SIGTERM, ranks=signalled)
     statuses = forker.wait(timeout=60)
@@ -139,8 +147,9 @@ def test_a_stop_that_cannot_finish_ends_at_the_deadline(tmp_path: Path) -> None:
     """A step stuck longer than ``ZLIGHTNING_PREEMPT_TIMEOUT_S``: the ranks exit with 143 at the deadline, without
     the checkpoint, and say so."""
     with RankForker(2, env={PREEMPT_TIMEOUT_ENV: "2", "ZLIGHTNING_ERROR_DIR": str(tmp_path / "errors")}) as parent:
-        parent.start("tests.test_preemption:_fit", tmp_path / "logs", root=str(tmp_path), phase="preempted",
-                     step_s=30.0)
+        parent.start(
+            "tests.test_preemption:_fit", tmp_path / "logs", root=str(tmp_path), phase="preempted", step_s=30.0
+        )
         progress = tmp_path / "preempted-rank0"
         assert wait_for(lambda: progress.exists() and progress.read_text(), timeout=60)
         start = time.monotonic()
@@ -188,8 +197,14 @@ def test_sigterm_to_the_launching_process_of_a_popen_run(tmp_path: Path) -> None
     script.write_text(_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(PYTHONUNBUFFERED="1", ZLIGHTNING_ERROR_DIR=str(tmp_path / "errors"))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(Path(__file__).parents[1])],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(Path(__file__).parents[1])],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     steps = [tmp_path / "rank0.step", tmp_path / "rank1.step"]
     if not wait_for(lambda: all(p.exists() and p.read_text() not in ("", "0") for p in steps), timeout=240):
         proc.kill()

@@ -116,8 +116,9 @@ def test_readme_program_runs_as_written(line: int, code: str, tmp_path: Path) ->
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=str(site), ZLIGHTNING_README_TINY="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, script.name], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=420, check=False)
+    proc = subprocess.run(
+        [sys.executable, script.name], cwd=work, env=env, capture_output=True, text=True, timeout=420, check=False
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"README.md:{line} failed as written:\n{output[-5000:]}"
     if "GPTLightningModule" in code and "trainer.fit" in code:  # the headline: the end-of-run summary is printed

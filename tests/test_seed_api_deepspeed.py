@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-from zlightning.compression import apply_schedule, init_compression, redundancy_clean
 from zlightning.datamodules import DeepSpeedDataSampler
 from zlightning.datamodules.curriculum import (
     IndexFile,
@@ -40,8 +38,10 @@ from zlightning.datamodules.curriculum import (
     get_start_end_idx,
     write_metric_index,
 )
-from zlightning.inject import InjectPolicy, build_tp_groups, injection_report, module_inject
 from zlightning.kernels import DeepSpeedIOEngine
+
+from zlightning.compression import apply_schedule, init_compression, redundancy_clean
+from zlightning.inject import InjectPolicy, build_tp_groups, injection_report, module_inject
 from zlightning.testing import run_distributed
 from zlightning.zero import DeepSpeedZeroOptimizer_Stage3
 
@@ -73,15 +73,31 @@ def metric(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {
         "index_to_sample_path": str(root / "m" / "m_index_to_sample"),
         "index_to_metric_path": str(root / "m" / "m_index_to_metric"),
-        "difficulty_type": "value", "clustering_type": "schedule_based", "min_difficulty": 10,
-        "max_difficulty": 100, "schedule_type": "fixed_linear",
+        "difficulty_type": "value",
+        "clustering_type": "schedule_based",
+        "min_difficulty": 10,
+        "max_difficulty": 100,
+        "schedule_type": "fixed_linear",
         "schedule_config": {"total_curriculum_step": 20, "difficulty_step": 10},
     }
 
 
 def _ds_config(metric: dict[str, Any]) -> dict[str, Any]:
-    return {"data_efficiency": {"enabled": True, "seed": 3, "data_sampling": {"enabled": True, "num_epochs": 1,
-            "curriculum_learning": {"enabled": True, "data_cluster_path": None, "curriculum_metrics": {"m": metric}}}}}
+    return {
+        "data_efficiency": {
+            "enabled": True,
+            "seed": 3,
+            "data_sampling": {
+                "enabled": True,
+                "num_epochs": 1,
+                "curriculum_learning": {
+                    "enabled": True,
+                    "data_cluster_path": None,
+                    "curriculum_metrics": {"m": metric},
+                },
+            },
+        }
+    }
 
 
 def _rows(metric: dict[str, Any]) -> tuple[list[np.ndarray], list[int]]:
@@ -102,16 +118,29 @@ PERCENTILE_RANGES = [(0, 10), (10, 37), (90, 100), (100, 110), (0, 100)]
 
 def test_module_level_functions_have_deepspeeds_parameters() -> None:
     assert list(inspect.signature(get_start_end_idx).parameters) == [
-        "batch_len", "data_parallel_rank", "data_parallel_size"]
+        "batch_len",
+        "data_parallel_rank",
+        "data_parallel_size",
+    ]
     assert list(inspect.signature(get_sample_based_on_metric_value).parameters)[-2:] == ["value_start", "value_end"]
     assert list(inspect.signature(get_sample_based_on_metric_percentile).parameters)[-2:] == [
-        "percentile_start", "percentile_end"]
+        "percentile_start",
+        "percentile_end",
+    ]
     # the sampler's methods keep DeepSpeed's exact signatures
     assert list(inspect.signature(DeepSpeedDataSampler.get_start_end_idx).parameters) == ["self", "batch_len"]
     assert list(inspect.signature(DeepSpeedDataSampler.get_sample_based_on_metric_value).parameters) == [
-        "self", "metric", "value_start", "value_end"]
+        "self",
+        "metric",
+        "value_start",
+        "value_end",
+    ]
     assert list(inspect.signature(DeepSpeedDataSampler.get_sample_based_on_metric_percentile).parameters) == [
-        "self", "metric", "percentile_start", "percentile_end"]
+        "self",
+        "metric",
+        "percentile_start",
+        "percentile_end",
+    ]
 
 
 def test_metric_value_selection_and_none(metric: dict[str, Any]) -> None:
@@ -129,7 +158,7 @@ def test_metric_value_selection_and_none(metric: dict[str, Any]) -> None:
         flat = np.concatenate(_rows(metric)[0])
         per = N // 100
         end = N if hi == 100 else min(N, per * hi)
-        assert (got is None) == (per * lo >= end) and (got is None or got.tolist() == flat[per * lo:end].tolist())
+        assert (got is None) == (per * lo >= end) and (got is None or got.tolist() == flat[per * lo : end].tolist())
     with pytest.raises(ValueError, match="index_to_metric has .* rows"):
         get_sample_based_on_metric_value(metric["index_to_sample_path"], metric["index_to_sample_path"], 0, 1)
 
@@ -191,19 +220,32 @@ print(json.dumps(out))
 @pytest.mark.skipif(not _DS_VENV_PYTHON.exists(), reason="needs benchmarks/.venv-deepspeed (setup_deepspeed_venv.sh)")
 def test_same_results_as_deepspeed_itself(metric: dict[str, Any]) -> None:
     spans = [(n, r, size) for n, size in ((12, 3), (7, 3), (5, 2)) for r in range(size)]
-    args = {"samples": metric["index_to_sample_path"], "metric": metric["index_to_metric_path"],
-            "value": [[str(lo), str(hi)] for lo, hi in VALUE_RANGES], "percentile": PERCENTILE_RANGES,
-            "spans": spans}
+    args = {
+        "samples": metric["index_to_sample_path"],
+        "metric": metric["index_to_metric_path"],
+        "value": [[str(lo), str(hi)] for lo, hi in VALUE_RANGES],
+        "percentile": PERCENTILE_RANGES,
+        "spans": spans,
+    }
     env = {"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([str(_DS_VENV_PYTHON), "-c", _DS_SAMPLER_SCRIPT, json.dumps(args)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(_DS_VENV_PYTHON), "-c", _DS_SAMPLER_SCRIPT, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
-    ours = [get_sample_based_on_metric_value(metric["index_to_sample_path"], metric["index_to_metric_path"], lo, hi)
-            for lo, hi in VALUE_RANGES]
+    ours = [
+        get_sample_based_on_metric_value(metric["index_to_sample_path"], metric["index_to_metric_path"], lo, hi)
+        for lo, hi in VALUE_RANGES
+    ]
     assert [None if r is None else r.tolist() for r in ours] == ds["value"]
-    ours_p = [get_sample_based_on_metric_percentile(metric["index_to_sample_path"], 100, lo, hi)
-              for lo, hi in PERCENTILE_RANGES]
+    ours_p = [
+        get_sample_based_on_metric_percentile(metric["index_to_sample_path"], 100, lo, hi)
+        for lo, hi in PERCENTILE_RANGES
+    ]
     assert [None if r is None else r.tolist() for r in ours_p] == ds["percentile"]
     assert [list(get_start_end_idx(n, r, size)) for n, r, size in spans] == ds["spans"]
 
@@ -217,17 +259,17 @@ def test_io_engine_return_values_port_deepspeed_swap_code(tmp_path: Path) -> Non
     paths = [str(tmp_path / f"t{i}.swp") for i in range(3)]
     # deepspeed/runtime/swap_tensor/utils.py: swap_out_tensors / swap_in_tensors, then the swappers' wait checks
     for buffer, path in zip(buffers, paths):
-        assert (handle.async_pwrite(buffer, path, 0) == 0)
+        assert handle.async_pwrite(buffer, path, 0) == 0
     assert handle.wait() == len(buffers)
     back = [torch.empty(1024) for _ in paths]
     for buffer, path in zip(back, paths):
-        assert (handle.async_pread(buffer, path, 0) == 0)
+        assert handle.async_pread(buffer, path, 0) == 0
     assert len(back) == handle.wait()
     assert all(torch.equal(a, b) for a, b in zip(buffers, back))
     # deepspeed/io/base_io_buffer.py: r = ...async_pwrite(...); assert 0 == r; the request is DeepSpeed's int 0
     r = handle.async_pwrite(buffers[0], paths[0], 0)
-    assert 0 == r and r != -1 and int(r) == 0 and not r and [7][r] == 7
-    assert 1 == handle.wait() and r.done()
+    assert r == 0 and r != -1 and int(r) == 0 and not r and [7][r] == 7
+    assert handle.wait() == 1 and r.done()
     assert handle.sync_pread(back[0], paths[0], 0) == 1 and handle.pread(back[0], paths[0], False, True, 0) == 0
     assert handle.wait() == 1
 
@@ -236,20 +278,40 @@ def test_io_engine_return_values_port_deepspeed_swap_code(tmp_path: Path) -> Non
 
 HIDDEN, HEADS, HEAD_DIM, FFN = 8, 4, 2, 16
 
-DS_COMPRESSION = {"compression_training": {
-    "row_pruning": {"shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 0},
-                    "different_groups": {"rp1": {"params": {"dense_ratio": 0.5}, "modules": ["dense_h_to_4h"],
-                                                 "related_modules": [["dense_4h_to_h"]]}}},
-    "head_pruning": {"shared_parameters": {"enabled": True, "method": "topk", "schedule_offset": 0, "num_heads": HEADS},
-                     "different_groups": {"hp1": {"params": {"dense_ratio": 0.5}, "modules": [r"attention\.dense"],
-                                                  "related_modules": [["query_key_value"]]}}},
-}}
+DS_COMPRESSION = {
+    "compression_training": {
+        "row_pruning": {
+            "shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 0},
+            "different_groups": {
+                "rp1": {
+                    "params": {"dense_ratio": 0.5},
+                    "modules": ["dense_h_to_4h"],
+                    "related_modules": [["dense_4h_to_h"]],
+                }
+            },
+        },
+        "head_pruning": {
+            "shared_parameters": {"enabled": True, "method": "topk", "schedule_offset": 0, "num_heads": HEADS},
+            "different_groups": {
+                "hp1": {
+                    "params": {"dense_ratio": 0.5},
+                    "modules": [r"attention\.dense"],
+                    "related_modules": [["query_key_value"]],
+                }
+            },
+        },
+    }
+}
 
 
 def _full() -> dict[str, nn.Linear]:
     torch.manual_seed(7)
-    return {"qkv": nn.Linear(HIDDEN, 3 * HEADS * HEAD_DIM), "dense": nn.Linear(HEADS * HEAD_DIM, HIDDEN),
-            "fc1": nn.Linear(HIDDEN, FFN), "fc2": nn.Linear(FFN, HIDDEN)}
+    return {
+        "qkv": nn.Linear(HIDDEN, 3 * HEADS * HEAD_DIM),
+        "dense": nn.Linear(HEADS * HEAD_DIM, HIDDEN),
+        "fc1": nn.Linear(HIDDEN, FFN),
+        "fc2": nn.Linear(FFN, HIDDEN),
+    }
 
 
 class MegatronColumn(nn.Module):
@@ -373,23 +435,48 @@ def _compression_worker(rank: int, world: int) -> dict[str, Any]:
         cleaned = model(x)
     att, mlp = model.attention, model.mlp
     errors = {}
-    for technique, pattern in (("sparse_pruning", "query_key_value"), ("row_pruning", r"attention\.dense"),
-                               ("weight_quantization", "dense_4h_to_h")):
+    for technique, pattern in (
+        ("sparse_pruning", "query_key_value"),
+        ("row_pruning", r"attention\.dense"),
+        ("weight_quantization", "dense_4h_to_h"),
+    ):
         params = {"dense_ratio": 0.5} if technique != "weight_quantization" else {"start_bits": 8, "target_bits": 8}
-        cfg = {technique: {"shared_parameters": {"enabled": True, "schedule_offset": 0},
-                           "different_groups": {"g": {"params": params, "modules": [pattern]}}}}
+        cfg = {
+            technique: {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0},
+                "different_groups": {"g": {"params": params, "modules": [pattern]}},
+            }
+        }
         try:
             init_compression(Block(rank, world), cfg, mpu=mpu)
         except ValueError as err:
             errors[technique] = str(err)
     return {
-        "plain": plain, "masked": masked, "cleaned": cleaned, "heads": heads, "rows": rows, "errors": errors,
+        "plain": plain,
+        "masked": masked,
+        "cleaned": cleaned,
+        "heads": heads,
+        "rows": rows,
+        "errors": errors,
         "types": (type(att.query_key_value).__name__, type(att.dense).__name__),
-        "shapes": {n: tuple(m.weight.shape) for n, m in (("qkv", att.query_key_value), ("dense", att.dense),
-                                                        ("fc1", mlp.dense_h_to_4h), ("fc2", mlp.dense_4h_to_h))},
-        "sizes": (att.query_key_value.output_size_per_partition, att.query_key_value.output_size,
-                  att.dense.input_size_per_partition, att.dense.input_size, att.num_attention_heads_per_partition,
-                  mlp.dense_h_to_4h.output_size_per_partition, mlp.dense_4h_to_h.input_size),
+        "shapes": {
+            n: tuple(m.weight.shape)
+            for n, m in (
+                ("qkv", att.query_key_value),
+                ("dense", att.dense),
+                ("fc1", mlp.dense_h_to_4h),
+                ("fc2", mlp.dense_4h_to_h),
+            )
+        },
+        "sizes": (
+            att.query_key_value.output_size_per_partition,
+            att.query_key_value.output_size,
+            att.dense.input_size_per_partition,
+            att.dense.input_size,
+            att.num_attention_heads_per_partition,
+            mlp.dense_h_to_4h.output_size_per_partition,
+            mlp.dense_4h_to_h.input_size,
+        ),
     }
 
 
@@ -400,8 +487,7 @@ def _zero_worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                         device=torch.device("cpu"))
+    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"))
     x = torch.randn(3 * world, 4, generator=torch.Generator().manual_seed(1)).chunk(world)[rank]
     loss = model(x).square().mean()
     zero.backward(loss, retain_graph=True)  # DeepSpeed's signature; the graph survives for a second pass
@@ -471,7 +557,13 @@ class NormNet(nn.Module):
     def __init__(self, d: int = 8) -> None:
         super().__init__()
         torch.manual_seed(3)
-        self.inp, self.a, self.b, self.c, self.out = nn.Linear(d, d), Scale(d), Thing(d), FakeRMSNorm(d), nn.Linear(d, d)
+        self.inp, self.a, self.b, self.c, self.out = (
+            nn.Linear(d, d),
+            Scale(d),
+            Thing(d),
+            FakeRMSNorm(d),
+            nn.Linear(d, d),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.c(self.b(self.a(self.inp(x)))))
@@ -493,8 +585,10 @@ def test_norms_are_recognised_by_structure_and_behaviour() -> None:
     untouched = NormNet()
     module_inject(untouched, InjectPolicy(inject_kernels=False))
     assert injection_report(untouched).unfused == {
-        "a": "computes RMSNorm; kernel injection was off", "b": "computes LayerNorm; kernel injection was off",
-        "c": "matches neither LayerNorm nor RMSNorm on the probes"}
+        "a": "computes RMSNorm; kernel injection was off",
+        "b": "computes LayerNorm; kernel injection was off",
+        "c": "matches neither LayerNorm nor RMSNorm on the probes",
+    }
 
 
 class TinyAttention(nn.Module):
@@ -533,10 +627,14 @@ def _inject_worker(rank: int, world: int) -> dict[str, Any]:
     plan = {r"blocks\.0\.attn\.qkv": "qkv", r"blocks\.0\.attn\.proj": "row", r"odd\..*": "replicate"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        module_inject(model, InjectPolicy(tp_size=2, inject_kernels=False, plan=plan),
-                      tp_group=build_tp_groups(2).tp_group)
-    return {"warnings": [str(w.message) for w in caught], "report": injection_report(model),
-            "types": {n: type(m).__name__ for n, m in model.named_modules() if n}}
+        module_inject(
+            model, InjectPolicy(tp_size=2, inject_kernels=False, plan=plan), tp_group=build_tp_groups(2).tp_group
+        )
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "report": injection_report(model),
+        "types": {n: type(m).__name__ for n, m in model.named_modules() if n},
+    }
 
 
 # ------------------------------------------------------------------------------------------ the 2-rank spawn
@@ -554,8 +652,12 @@ def _sampler_worker(rank: int, world: int, metric: dict[str, Any]) -> dict[str, 
 
 
 def _rank_checks(rank: int, world: int, metric: dict[str, Any]) -> dict[str, Any]:
-    return {"compression": _compression_worker(rank, world), "zero": _zero_worker(rank, world),
-            "inject": _inject_worker(rank, world), "sampler": _sampler_worker(rank, world, metric)}
+    return {
+        "compression": _compression_worker(rank, world),
+        "zero": _zero_worker(rank, world),
+        "inject": _inject_worker(rank, world),
+        "sampler": _sampler_worker(rank, world, metric),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -615,7 +717,10 @@ def test_zero3_backward_takes_retain_graph(runs: list[dict[str, Any]]) -> None:
             torch.testing.assert_close(z["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
         assert z["second"] is not None and "backward through the graph a second time" in z["second"]
     assert list(inspect.signature(DeepSpeedZeroOptimizer_Stage3.backward).parameters) == [
-        "self", "loss", "retain_graph"]
+        "self",
+        "loss",
+        "retain_graph",
+    ]
 
 
 def test_tensor_parallelism_alone_says_nothing_about_fusion(runs: list[dict[str, Any]]) -> None:
@@ -624,10 +729,13 @@ def test_tensor_parallelism_alone_says_nothing_about_fusion(runs: list[dict[str,
         assert inj["warnings"] == [], inj["warnings"]
         types = inj["types"]
         assert types["blocks.0.attn"] == "FusedSelfAttention"  # sharded: rebuilt because TP needs it
-        assert types["blocks.0.attn.qkv"] == "ColumnParallelLinear" and types["blocks.0.attn.proj"] == "RowParallelLinear"
+        assert (
+            types["blocks.0.attn.qkv"] == "ColumnParallelLinear" and types["blocks.0.attn.proj"] == "RowParallelLinear"
+        )
         assert types["odd"] == "Odd" and types["side"] == "Scale" and types["blocks.0.norm"] == "Scale"
         assert set(inj["report"].unfused) == {"blocks.0.norm", "side"} and not {
-            k: v for k, v in inj["report"].kernels.items() if v != "attention"}
+            k: v for k, v in inj["report"].kernels.items() if v != "attention"
+        }
 
 
 def test_sampler_with_a_real_process_group(runs: list[dict[str, Any]], metric: dict[str, Any]) -> None:

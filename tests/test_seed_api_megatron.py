@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from zlightning.datamodules import BalancedCPScheduler, HybridCPConfig, HybridCPDataLoaderWrapper
 from zlightning.datamodules.hybrid_cp import schedule_hybrid_cp
+
 from zlightning.testing import run_distributed
 
 MAX_SEQLEN = 8  # max_seqlen_per_dp_cp_rank
@@ -30,8 +30,12 @@ KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 def _megatron_config(cp: int) -> SimpleNamespace:
     """What Megatron hands the wrapper: a config object with Megatron's attribute names (and others we ignore)."""
-    return SimpleNamespace(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, context_parallel_size=cp,
-                           hybrid_context_parallel=True, tensor_model_parallel_size=1)
+    return SimpleNamespace(
+        max_seqlen_per_dp_cp_rank=MAX_SEQLEN,
+        context_parallel_size=cp,
+        hybrid_context_parallel=True,
+        tensor_model_parallel_size=1,
+    )
 
 
 def _packed_batch(replica: int, step: int, n: int) -> list[dict[str, torch.Tensor]]:
@@ -39,19 +43,20 @@ def _packed_batch(replica: int, step: int, n: int) -> list[dict[str, torch.Tenso
     gen = torch.Generator().manual_seed(100 * step + replica)
     out = []
     for _ in range(2):
-        lengths = torch.randint(1, MAX_SEQLEN * n + 1, (int(torch.randint(1, 4, (1,), generator=gen)),),
-                                generator=gen)
+        lengths = torch.randint(1, MAX_SEQLEN * n + 1, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
         cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
         cu = torch.cat([cu, cu[-1:], cu[-1:]])  # the SFT dataset's padding: repeated last offset
         total = int(cu[-1])
-        out.append({
-            "cu_seqlens": cu,
-            "max_seqlen": torch.tensor(int(lengths.max()), dtype=torch.int32),
-            "tokens": torch.randint(0, 50000, (total,), generator=gen),
-            "labels": torch.randint(0, 50000, (total,), generator=gen),
-            "loss_mask": torch.rand(total, generator=gen),
-            "position_ids": torch.cat([torch.arange(int(v)) for v in lengths]),
-        })
+        out.append(
+            {
+                "cu_seqlens": cu,
+                "max_seqlen": torch.tensor(int(lengths.max()), dtype=torch.int32),
+                "tokens": torch.randint(0, 50000, (total,), generator=gen),
+                "labels": torch.randint(0, 50000, (total,), generator=gen),
+                "loss_mask": torch.rand(total, generator=gen),
+                "position_ids": torch.cat([torch.arange(int(v)) for v in lengths]),
+            }
+        )
     return out
 
 
@@ -139,13 +144,15 @@ def _groups(rank: int, n: int, cp: int, dp_inner: bool) -> SimpleNamespace:
     return SimpleNamespace(dp_cp=dist.group.WORLD, dp=mine(dp_sets), cp=mine(cp_sets), tp=made[(rank,)])
 
 
-def _step_by_step(wrapper: HybridCPDataLoaderWrapper, batch: list[dict[str, torch.Tensor]],
-                  config: SimpleNamespace) -> dict[str, Any]:
+def _step_by_step(
+    wrapper: HybridCPDataLoaderWrapper, batch: list[dict[str, torch.Tensor]], config: SimpleNamespace
+) -> dict[str, Any]:
     """Megatron's ``__next__`` body, call for call."""
     subsample_seqlens = []
     for sample in batch:
-        subsample_seqlens.extend(int(sample["cu_seqlens"][i + 1] - sample["cu_seqlens"][i])
-                                 for i in range(sample["cu_seqlens"].shape[0] - 1))
+        subsample_seqlens.extend(
+            int(sample["cu_seqlens"][i + 1] - sample["cu_seqlens"][i]) for i in range(sample["cu_seqlens"].shape[0] - 1)
+        )
     subsample_seqlens = torch.tensor(subsample_seqlens, dtype=torch.int32)
     subsample_seqlens = subsample_seqlens[subsample_seqlens != 0]
     seqlens_gathered, offsets = wrapper.get_global_seqlens(subsample_seqlens)
@@ -158,10 +165,15 @@ def _step_by_step(wrapper: HybridCPDataLoaderWrapper, batch: list[dict[str, torc
         unpacked, global_ids_this_rank, global_id_seqlens, sample_id_groups, offsets
     )
     return {
-        "seqlens_gathered": seqlens_gathered, "offsets": offsets, "global_id_seqlens": global_id_seqlens,
-        "global_ids_this_rank": global_ids_this_rank, "groups": groups, "sample_id_groups": sample_id_groups,
+        "seqlens_gathered": seqlens_gathered,
+        "offsets": offsets,
+        "global_id_seqlens": global_id_seqlens,
+        "global_ids_this_rank": global_ids_this_rank,
+        "groups": groups,
+        "sample_id_groups": sample_id_groups,
         "src_rank": [wrapper._gid_to_src_rank(gid, offsets) for gid in range(len(seqlens_gathered))],
-        "unpacked_lengths": [int(s["tokens"].shape[0]) for s in unpacked], "samples": samples,
+        "unpacked_lengths": [int(s["tokens"].shape[0]) for s in unpacked],
+        "samples": samples,
         "total_hdp_gpus": wrapper.total_hdp_gpus,
     }
 
@@ -179,8 +191,9 @@ def _worker(rank: int, n: int) -> dict[str, Any]:
         out[name] = {"steps": _step_by_step(wrapper, batches[0], config), "replica": replica}
         samples, sample_id_groups = next(iter(HybridCPDataLoaderWrapper(iter(batches[1:]), config, pg)))
         out[name]["next"] = {"samples": samples, "sample_id_groups": sample_id_groups}
-    typed = HybridCPDataLoaderWrapper(iter([_packed_batch(rank // cp, 1, n)]),
-                                      HybridCPConfig(max_seqlen_per_rank=MAX_SEQLEN, cp_size=cp))
+    typed = HybridCPDataLoaderWrapper(
+        iter([_packed_batch(rank // cp, 1, n)]), HybridCPConfig(max_seqlen_per_rank=MAX_SEQLEN, cp_size=cp)
+    )
     batch = next(typed)
     out["typed"] = {"samples": batch.samples, "schedule": batch.schedule, "seqlens": batch.seqlens}
     return out
@@ -206,8 +219,9 @@ def test_each_documented_method_returns_megatrons_shapes(runs: tuple[int, list[d
             got, replica = res[name]["steps"], res[name]["replica"]
             # get_global_seqlens: every DP rank's lengths in DP order; offsets the exclusive prefix sum (DP entries)
             assert got["seqlens_gathered"] == flat
-            assert got["offsets"].dtype == torch.int32 and got["offsets"].tolist() == [sum(counts[:d])
-                                                                                     for d in range(n // cp)]
+            assert got["offsets"].dtype == torch.int32 and got["offsets"].tolist() == [
+                sum(counts[:d]) for d in range(n // cp)
+            ]
             # get_global_id_seqlens: (gid, L) for all; this rank's gids offsets[r] .. + count
             assert got["global_id_seqlens"] == list(enumerate(flat))
             start = sum(counts[:replica])
@@ -254,9 +268,11 @@ def _nccl_worker(rank: int, n: int) -> dict[str, Any]:
     try:
         batches = [_packed_batch(0, 0, n)]
         samples, sample_id_groups = next(HybridCPDataLoaderWrapper(iter(batches), _megatron_config(1)))
-        return {"devices": {str(t.device) for s in samples.values() for t in s.values()},
-                "samples": {g: {k: v.cpu() for k, v in s.items()} for g, s in samples.items()},
-                "groups": sample_id_groups}
+        return {
+            "devices": {str(t.device) for s in samples.values() for t in s.values()},
+            "samples": {g: {k: v.cpu() for k, v in s.items()} for g, s in samples.items()},
+            "groups": sample_id_groups,
+        }
     finally:
         dist.destroy_process_group()
 

@@ -65,7 +65,9 @@ def reference() -> dict[str, Any]:
 
 
 def rank_main(rank: int, world: int) -> dict[str, Any]:
-    engine = PipelineEngine(make_module(num_stages=2), lambda ps: torch.optim.SGD(ps, lr=LR), PipelineConfig(micro_batches=MICRO))
+    engine = PipelineEngine(
+        make_module(num_stages=2), lambda ps: torch.optim.SGD(ps, lr=LR), PipelineConfig(micro_batches=MICRO)
+    )
     out: dict[str, Any] = {}
     train_iter = iter(items(2 * MICRO, seed=0))
     out["train"] = [float(engine.train_batch(data_iter=train_iter))]  # DeepSpeed tutorial: train_batch(data_iter=...)
@@ -130,15 +132,24 @@ class LitPipe(pl.LightningModule):
         return self.pipe.batch_loss(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)  # DeepSpeed users' PipelineModule, Lightning's default strategy
+        return torch.optim.SGD(
+            self.parameters(), lr=LR
+        )  # DeepSpeed users' PipelineModule, Lightning's default strategy
 
 
 def test_pipeline_module_without_a_pipeline_builds_its_single_stage() -> None:
     x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(2)), torch.randn(8, 2)
     pl.seed_everything(0, verbose=False)
     lit = LitPipe()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(lit, DataLoader(TensorDataset(x, y), batch_size=4))
     ref = make_module().build()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)

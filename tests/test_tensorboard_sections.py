@@ -66,9 +66,18 @@ class _Module(pl.LightningModule):
 def test_fit_writes_sectioned_tags(tmp_path: Path) -> None:
     data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
     logger = TensorBoardLogger(str(tmp_path), name="run")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, val_check_interval=4, log_every_n_steps=1,
-                         logger=logger, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        val_check_interval=4,
+        log_every_n_steps=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(_Module(), DataLoader(data, batch_size=2), DataLoader(data, batch_size=8))
     assert "val/loss" in trainer.callback_metrics and "train/loss" in trainer.callback_metrics  # keys unchanged
     events = EventAccumulator(logger.log_dir)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from zlightning.datamodules import TextCorpusDataModule
 from zlightning.datamodules.text import BYTE_VOCAB_SIZE, PackedByteDataset, corpus_files, is_val_file, read_documents
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._zero_models import batches, gpt_loss, tiny_gpt
-from zlightning.testing import DistributedTestError, run_distributed
+from zlightning.testing import run_distributed
 from zlightning.zero import (
     CheckpointError,
     DeepSpeedZeroOptimizer_Stage3,
@@ -53,7 +53,12 @@ def _groups(zero: DeepSpeedZeroOptimizer_Stage3) -> list[list[str]]:
 def _load(rank: int, world: int, path: str, extra_step: bool, config: ZeroConfig = CFG) -> dict[str, Any]:
     zero = _engine(tiny_gpt(seed=7), config)  # different init: everything must come from the checkpoint
     client = load_sharded(zero.state, [zero.optimizer], path)
-    out = {"client": client, "model": zero.module_state_dict(), "optim": zero.state_dict()["optimizer"], "layout": _groups(zero)}
+    out = {
+        "client": client,
+        "model": zero.module_state_dict(),
+        "optim": zero.state_dict()["optimizer"],
+        "layout": _groups(zero),
+    }
     if extra_step:
         _step(zero, rank, world, 5)
         out["after"] = zero.module_state_dict()
@@ -145,7 +150,10 @@ def test_consolidate_cli_and_function(tmp_path: Path) -> None:
     out = tmp_path / "model.pt"
     proc = subprocess.run(
         [sys.executable, "-m", "zlightning.cli", "consolidate", str(path), str(out), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     plain = tiny_gpt(seed=9)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zlightning.strategies import ZeroPrecision, ZStackZero3Strategy
 
 import zlightning  # noqa: F401
-from zlightning.strategies import ZeroPrecision, ZStackZero3Strategy
 from zlightning.zero import LossScalerConfig, MixedPrecisionPolicy, ZeroConfig, zero3_shard
 
 

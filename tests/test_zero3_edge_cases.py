@@ -48,8 +48,14 @@ def _train(rank: int, world: int, case: str, cfg: ZeroConfig, steps: int) -> dic
         after = float(loss_fn(plain, data_fn(1, 4)[0]))
     plain_params = {n: p.detach().clone() for n, p in plain.named_parameters()}
     grads_none = [n for n, p in plain.named_parameters() if p.grad is not None]
-    return {"sd": sd, "eval": eval_losses, "after": after, "plain": plain_params, "grads": grads_none,
-            "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in plain.modules())}
+    return {
+        "sd": sd,
+        "eval": eval_losses,
+        "after": after,
+        "plain": plain_params,
+        "grads": grads_none,
+        "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in plain.modules()),
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -97,8 +103,12 @@ def _tied_and_unused(rank: int, world: int) -> dict[str, Any]:
     zero2.backward(mse_loss(net, regression_batches(1, 4)[0]))
     unused = sorted(n for n, p in net.named_parameters() if p.grad is None)
     dist.barrier()
-    return {"tied_piece": tied_piece, "tied_after": plain.tok_emb.weight is plain.head.weight, "unused": unused,
-            "shape": tuple(plain.tok_emb.weight.shape)}
+    return {
+        "tied_piece": tied_piece,
+        "tied_after": plain.tok_emb.weight is plain.head.weight,
+        "unused": unused,
+        "shape": tuple(plain.tok_emb.weight.shape),
+    }
 
 
 def test_tied_weights_stay_tied_and_unused_grads_stay_none() -> None:
@@ -106,6 +116,10 @@ def test_tied_weights_stay_tied_and_unused_grads_stay_none() -> None:
         assert r["tied_piece"] and r["tied_after"]
         assert r["shape"] == (64, 32)
         assert r["unused"] == [
-            "blocks.1.unused.bias", "blocks.1.unused.weight", "blocks.3.fc.bias", "blocks.3.fc.weight",
-            "blocks.3.norm.bias", "blocks.3.norm.weight",
+            "blocks.1.unused.bias",
+            "blocks.1.unused.weight",
+            "blocks.3.fc.bias",
+            "blocks.3.fc.weight",
+            "blocks.3.norm.bias",
+            "blocks.3.norm.weight",
         ]

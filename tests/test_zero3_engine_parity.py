@@ -31,8 +31,13 @@ def _zero_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, clip: f
         zero.backward(loss)
         if (i + 1) % accumulate == 0:
             zero.step()
-    return {"state": zero.module_state_dict(), "losses": losses, "optim": zero.state_dict()["optimizer"],
-            "report": zero.memory_report(), "reduce_scatters": zero.state.reduce_scatters}
+    return {
+        "state": zero.module_state_dict(),
+        "losses": losses,
+        "optim": zero.state_dict()["optimizer"],
+        "report": zero.memory_report(),
+        "reduce_scatters": zero.state.reduce_scatters,
+    }
 
 
 @pytest.mark.parametrize(
@@ -46,7 +51,15 @@ def _zero_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, clip: f
         ZeroConfig(stage=1),
         ZeroConfig(reshard_after_forward=False, param_persistence_threshold=0),
     ],
-    ids=["default", "sync-no-persist", "prefetch-one-no-persist", "nested-units", "stage2", "stage1", "keep-for-backward"],
+    ids=[
+        "default",
+        "sync-no-persist",
+        "prefetch-one-no-persist",
+        "nested-units",
+        "stage2",
+        "stage1",
+        "keep-for-backward",
+    ],
 )
 def test_parity_with_single_process(cfg: ZeroConfig) -> None:
     world, accumulate, clip, steps = 2, 2, 0.5, 3

@@ -23,8 +23,9 @@ def _cuda_train(rank: int, world: int, precision: str | None) -> dict[str, Any]:
     try:
         model = tiny_gpt().cuda()
         cfg = ZeroConfig(mixed_precision=MixedPrecisionPolicy(param_dtype=precision))
-        zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
-                                             config=cfg, gradient_clipping=1.0)
+        zero = DeepSpeedZeroOptimizer_Stage3(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), config=cfg, gradient_clipping=1.0
+        )
         for batch in batches(3, 4 * world):
             zero.backward(gpt_loss(model, batch.chunk(world)[rank].cuda()))
             zero.step()

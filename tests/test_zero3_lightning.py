@@ -18,13 +18,20 @@ WORLD = 2
 
 
 def _trainer(state_dict_type: str = "sharded", **kwargs: Any) -> pl.Trainer:
-    import zlightning  # noqa: F401
     from zlightning.strategies import ZStackZero3Strategy
+
+    import zlightning  # noqa: F401
     from zlightning.zero import CheckpointPolicy
 
     base: dict[str, Any] = dict(
-        strategy=ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type=state_dict_type)), accelerator="cpu", devices=WORLD, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False,
+        strategy=ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type=state_dict_type)),
+        accelerator="cpu",
+        devices=WORLD,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
     )
     base.update(kwargs)
     return pl.Trainer(**base)
@@ -44,8 +51,12 @@ def _resume(rank: int, world: int, ckpt_dir: str, kind: str) -> dict[str, Any]:
     trainer = _trainer(kind, max_epochs=2, accumulate_grad_batches=2)
     trainer.fit(resumed, loader(4, 2, world), ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
     return {
-        "straight": state_after_fit(straight), "resumed": state_after_fit(resumed), "step": trainer.global_step,
-        "straight_losses": straight.losses[-4:], "resumed_losses": resumed.losses, "first": state_after_fit(first),
+        "straight": state_after_fit(straight),
+        "resumed": state_after_fit(resumed),
+        "step": trainer.global_step,
+        "straight_losses": straight.losses[-4:],
+        "resumed_losses": resumed.losses,
+        "first": state_after_fit(first),
     }
 
 
@@ -116,8 +127,7 @@ def _validate_then_generate(rank: int, world: int) -> dict[str, Any]:
     val_again = trainer.validate(module, loader(2, 2, world), verbose=False)[0]["val_loss"]
     state = state_after_fit(module)
     test_loss = trainer.test(module, loader(2, 2, world), verbose=False)  # test reuses the engine too
-    return {"val": val, "val_again": val_again, "gen": out, "together": together, "state": state,
-            "test": test_loss}
+    return {"val": val, "val_again": val_again, "gen": out, "together": together, "state": state, "test": test_loss}
 
 
 def test_validation_and_use_after_fit() -> None:

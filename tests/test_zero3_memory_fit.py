@@ -71,8 +71,15 @@ class StateHeavy(pl.LightningModule):
 
 def _trainer(strategy: Any, steps: int, root: str) -> pl.Trainer:
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         default_root_dir=root,
     )
 
@@ -82,8 +89,9 @@ def _data(width: int, steps: int) -> DataLoader:
 
 
 def _capped(rank: int, world: int, kind: str, width: int, depth: int, root: str) -> dict[str, Any]:
-    import zlightning  # noqa: F401  (registers zstack_zero3)
     from lightning.pytorch.strategies import DDPStrategy
+
+    import zlightning  # noqa: F401  (registers zstack_zero3)
 
     pl.seed_everything(0, verbose=False)
     module = StateHeavy(width, depth)
@@ -99,8 +107,15 @@ def _capped(rank: int, world: int, kind: str, width: int, depth: int, root: str)
             trainer.save_checkpoint(os.path.join(root, "capped.ckpt"))
             out["save"] = "ok"
             if rank == 0:  # the CLI in a child process, which inherits this process's cap
-                cli = [sys.executable, "-m", "zlightning.cli", "consolidate", os.path.join(root, "capped.ckpt"),
-                       os.path.join(root, "capped.pt"), "--no-progress"]
+                cli = [
+                    sys.executable,
+                    "-m",
+                    "zlightning.cli",
+                    "consolidate",
+                    os.path.join(root, "capped.ckpt"),
+                    os.path.join(root, "capped.pt"),
+                    "--no-progress",
+                ]
                 done = subprocess.run(cli, capture_output=True, text=True, timeout=300)
                 out["consolidate"] = "ok" if done.returncode == 0 else done.stderr[-2000:]
     except (RuntimeError, MemoryError) as err:  # DDP runs out of its allowance (gloo may report the peer's failure)

@@ -24,7 +24,10 @@ def _train(rank: int, world: int, cfg: ZeroConfig, steps: int, accumulate: int) 
     model = tiny_gpt()
     data = batches(steps * accumulate, global_batch=4 * world)
     zero = DeepSpeedZeroOptimizer_Stage3(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), config=cfg, gradient_clipping=0.5,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+        config=cfg,
+        gradient_clipping=0.5,
         gradient_accumulation_steps=accumulate,
     )
     offload = zero.state.offload
@@ -38,7 +41,9 @@ def _train(rank: int, world: int, cfg: ZeroConfig, steps: int, accumulate: int) 
                 stats.append(offload.swap_stats())
                 for swapper in offload.swappers():  # nothing left holding a pool buffer between steps
                     assert swapper.pool.free_count == swapper.pool.count, (swapper.pool.free_count, swapper.pool.count)
-                swapped_out = max(swapped_out, sum(1 for g in zero.state.groups if g.shard.untyped_storage().nbytes() == 0))
+                swapped_out = max(
+                    swapped_out, sum(1 for g in zero.state.groups if g.shard.untyped_storage().nbytes() == 0)
+                )
     out = {
         "state": zero.module_state_dict(),
         "optim": zero.state_dict()["optimizer"],
@@ -46,7 +51,9 @@ def _train(rank: int, world: int, cfg: ZeroConfig, steps: int, accumulate: int) 
         "report": zero.memory_report(),
         "swapped_out_groups": swapped_out,
         "stats": stats,
-        "files_during": _files_under(str(cfg.offload_optimizer.path)) if isinstance(cfg.offload_optimizer, NVMeOffload) else [],
+        "files_during": _files_under(str(cfg.offload_optimizer.path))
+        if isinstance(cfg.offload_optimizer, NVMeOffload)
+        else [],
     }
     zero.unshard_module()  # closes the engine's swap folders
     out["plain_optim_state"] = zero.optimizer.state_dict()["state"]
@@ -76,7 +83,10 @@ def _train_kinds(rank: int, world: int, root: str, kinds: list[str], steps: int)
 
 @pytest.mark.parametrize(
     "world,kinds",
-    [(1, ["cpu", "nvme-opt", "nvme-opt-unpipelined-portable", "nvme-opt+params"]), (2, ["nvme-opt", "nvme-opt+params"])],
+    [
+        (1, ["cpu", "nvme-opt", "nvme-opt-unpipelined-portable", "nvme-opt+params"]),
+        (2, ["nvme-opt", "nvme-opt+params"]),
+    ],
     ids=["world1", "world2"],
 )
 @pytest.mark.filterwarnings("ignore:NVMeOffload\\(buffer_count")
@@ -113,10 +123,10 @@ def _fit(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
+    from zlightning.strategies import ZStackZero3Strategy
 
     import zlightning  # noqa: F401
     from tests._lightning_models import TinyGPTModule, loader, state_after_fit
-    from zlightning.strategies import ZStackZero3Strategy
 
     swap = os.path.join(root, "swap")
     ckpt_dir = os.path.join(root, "ckpt")
@@ -128,8 +138,14 @@ def _fit(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     if phase == "cpu":
         strategy = "zstack_zero3_offload"  # CPUOffload: Adam state on the host, by name
     kwargs: dict[str, Any] = dict(
-        strategy=strategy, accelerator="cpu", devices=world, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, max_epochs=2 if phase != "first" else 1, log_every_n_steps=1,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_epochs=2 if phase != "first" else 1,
+        log_every_n_steps=1,
         logger=TensorBoardLogger(root, name="tb") if phase == "first" else False,
         enable_checkpointing=phase == "first",
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0)] if phase == "first" else [],
@@ -137,7 +153,9 @@ def _fit(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     module = TinyGPTModule()
     trainer = pl.Trainer(**kwargs)
-    trainer.fit(module, loader(4, 2, world), ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if phase == "resume" else None)
+    trainer.fit(
+        module, loader(4, 2, world), ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if phase == "resume" else None
+    )
 
     def own_swap_files() -> list[str]:  # this rank's folder only: another rank may still be removing its own
         return [f for f in _files_under(swap) if re.search(rf"-rank{rank}(-|/|$)", f)] if os.path.isdir(swap) else []
@@ -160,7 +178,7 @@ def _fit_phases(rank: int, world: int, root: str) -> list[dict[str, Any]]:
 
 def test_lightning_nvme_offload_checkpoint_resume_and_tensorboard(tmp_path: Path) -> None:
     out = run_distributed(_fit_phases, 2, str(tmp_path), init_process_group=False, timeout=400)
-    for (p, _, r, cpu) in out:
+    for p, _, r, cpu in out:
         assert r["optimizer_type"] == "OffloadedAdam"  # the module stays sharded: its state stays offloaded
         assert r["swap_files_while_sharded"] and not cpu["swap_files_while_sharded"]
         assert r["swap_files_after"] == []
@@ -173,25 +191,35 @@ def test_lightning_nvme_offload_checkpoint_resume_and_tensorboard(tmp_path: Path
     acc = EventAccumulator(os.path.dirname(events[0]))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("offload/swap_bytes_written", "offload/swap_bytes_read", "offload/swap_write_MBps", "offload/swap_read_MBps"):
+    for tag in (
+        "offload/swap_bytes_written",
+        "offload/swap_bytes_read",
+        "offload/swap_write_MBps",
+        "offload/swap_read_MBps",
+    ):
         assert tag in tags, tags
     written = [e.value for e in acc.Scalars("offload/swap_bytes_written")]
     assert len(written) == 4 and all(v > 0 for v in written)  # one per step: 4 steps in the first epoch
     assert [e.value for e in acc.Scalars("offload/swap_read_MBps")][-1] > 0
-    assert not any(os.path.isdir(tmp_path / "swap" / d) and os.listdir(tmp_path / "swap" / d) for d in os.listdir(tmp_path / "swap"))
+    assert not any(
+        os.path.isdir(tmp_path / "swap" / d) and os.listdir(tmp_path / "swap" / d)
+        for d in os.listdir(tmp_path / "swap")
+    )
 
 
 def test_deepspeed_offload_config_maps_to_policies() -> None:
     from zlightning.zero import UnsupportedConfigError, from_deepspeed_config
 
-    s = from_deepspeed_config({
-        "zero_optimization": {
-            "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6, "pipeline_read": True},
-            "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 100_000_000},
-        },
-        "aio": {"block_size": 2**20, "queue_depth": 16, "intra_op_parallelism": 2, "overlap_events": True},
-    })
+    s = from_deepspeed_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6, "pipeline_read": True},
+                "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 100_000_000},
+            },
+            "aio": {"block_size": 2**20, "queue_depth": 16, "intra_op_parallelism": 2, "overlap_events": True},
+        }
+    )
     assert s.zero.offload_optimizer == NVMeOffload(path="/nvme", buffer_count=6, queue_depth=16, io_threads=2)
     assert s.zero.offload_params == NVMeOffload(path="/nvme", buffer_size=100_000_000, queue_depth=16, io_threads=2)
     cpu = from_deepspeed_config({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}})

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,7 +72,9 @@ def _step(model: torch.nn.Module, zero: DeepSpeedZeroOptimizer_Stage3, batch: to
 def test_swap_state_machine_and_pool_bounds(tmp_path: Path) -> None:
     folder = SwapDirectory(tmp_path, "unit", 0)
     folder.open("remove")
-    swapper = Swapper(NVMeOffload(path=tmp_path, buffer_count=2, buffer_size=1024), folder, direct=False, pin=False, nbytes=4096)
+    swapper = Swapper(
+        NVMeOffload(path=tmp_path, buffer_count=2, buffer_size=1024), folder, direct=False, pin=False, nbytes=4096
+    )
     a = SwapTensor("a", folder.file("a.swp"), 0, 1000, torch.float32)
     b = SwapTensor("b", folder.file("a.swp"), 4096, 1000, torch.float32)
     c = SwapTensor("c", folder.file("c.swp"), 0, 10, torch.float32)
@@ -193,7 +194,9 @@ def test_corrupted_optimizer_swap_file_is_detected(tmp_path: Path, world1: None,
         os.truncate(victim, 100)
     else:
         os.remove(victim)
-    pattern = {"flip": "is corrupted: block 0 .*checksum", "truncate": "truncated", "remove": "missing|truncated"}[damage]
+    pattern = {"flip": "is corrupted: block 0 .*checksum", "truncate": "truncated", "remove": "missing|truncated"}[
+        damage
+    ]
     with pytest.raises(SwapCorruptionError, match=pattern):
         _step(model, zero, data[1])
     zero.close()
@@ -285,7 +288,9 @@ def _spawn(mode: str, root: Path) -> subprocess.Popen[bytes]:
 
     code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.test_zero3_offload_faults import _child; _child({mode!r}, {str(root)!r})"
     env = {**os.environ, "ZL_PORT": str(find_free_port()), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
 
 def test_killed_mid_step_then_restarted_resumes_exactly(tmp_path: Path, world1: None) -> None:

@@ -44,8 +44,11 @@ def _meta_init(rank: int, world: int, width: int, depth: int) -> dict[str, Any]:
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
     zero.backward(model(x).pow(2).mean())
     zero.step()
-    return {"full_bytes": full_bytes, "growth": setup_growth, "unit": zero.memory_report().largest_unit_bytes,
-            }
+    return {
+        "full_bytes": full_bytes,
+        "growth": setup_growth,
+        "unit": zero.memory_report().largest_unit_bytes,
+    }
 
 
 def test_meta_init_memory_near_one_over_n() -> None:
@@ -135,8 +138,16 @@ def _lightning_meta(rank: int, world: int) -> dict[str, Any]:
 
     pl.seed_everything(0, verbose=False)
     module = MetaModule()
-    trainer = pl.Trainer(strategy="zstack_zero3", accelerator="cpu", devices=world, max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy="zstack_zero3",
+        accelerator="cpu",
+        devices=world,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(16, 32)), batch_size=2))
     from zlightning.zero import summon_full_params
 

@@ -9,7 +9,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from tests._lightning_models import TinyGPTModule, loader
@@ -26,9 +25,10 @@ class SGDModule(TinyGPTModule):
 
 
 def _fit(rank: int, world: int, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from zlightning.strategies import ZStackZero3Strategy
+
     import zlightning  # noqa: F401
     from zlightning.inject import tp_full_state
-    from zlightning.strategies import ZStackZero3Strategy
 
     pl.seed_everything(0, verbose=False)
     module = SGDModule()
@@ -41,15 +41,25 @@ def _fit(rank: int, world: int, strategy_kwargs: dict[str, Any]) -> dict[str, An
             graphs.append(handle.stats.graphs if handle is not None else 0)
 
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS, logger=False, callbacks=[_Graphs()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=False,
+        callbacks=[_Graphs()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=loader(N_BATCHES, 2, world))
     tp = strategy.tensor_parallel_size > 1
     from zlightning.zero import summon_full_params
 
     with summon_full_params(module):  # the module stays sharded after fit
-        state = tp_full_state(module.model) if tp else {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        state = (
+            tp_full_state(module.model) if tp else {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        )
     return {"losses": module.losses, "state": state, "graphs": graphs}
 
 
@@ -77,7 +87,9 @@ def _reference(dp: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     return copy.deepcopy(module.model.state_dict()), losses
 
 
-@pytest.mark.parametrize(("kwargs", "dp"), [({"tensor_parallel_size": 2}, 1), ({"compile": True}, 2)], ids=["tp2", "compile"])
+@pytest.mark.parametrize(
+    ("kwargs", "dp"), [({"tensor_parallel_size": 2}, 1), ({"compile": True}, 2)], ids=["tp2", "compile"]
+)
 def test_tp_and_compile_match_single_process(kwargs: dict[str, Any], dp: int) -> None:
     out = run_distributed(_fit, WORLD, kwargs, init_process_group=False, timeout=400)
     ref_state, ref_losses = _reference(dp)

@@ -78,7 +78,9 @@ def _quiet_lightning_noise() -> None:
     import logging
     import warnings
 
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoTips) for f in logger.filters):
         logger.addFilter(_NoTips())

@@ -115,7 +115,7 @@ def _parts(entry: str) -> tuple[str, str, str] | None:
     """``(kind, token, target name)`` of a temporary or old entry, else None."""
     for prefix in (TMP_PREFIX, OLD_PREFIX):
         if entry.startswith(prefix):
-            token, _, hexname = entry[len(prefix):].partition(".")
+            token, _, hexname = entry[len(prefix) :].partition(".")
             try:
                 return prefix, token, bytes.fromhex(hexname).decode()
             except ValueError:
@@ -166,7 +166,7 @@ def publish(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None
         fsync_dir(target.parent)
         _remove(tmp)  # now the previous checkpoint
         return
-    token = tmp.name[len(TMP_PREFIX):].partition(".")[0]
+    token = tmp.name[len(TMP_PREFIX) :].partition(".")[0]
     old = target.parent / f"{OLD_PREFIX}{token}.{_hex(target.name)}"
     os.rename(target, old)
     os.rename(tmp, target)
@@ -306,14 +306,21 @@ def remove_durably(target: str | os.PathLike[str]) -> None:
 
 def save_failure_message(path: Path, where: str, err: BaseException, existed: bool) -> str:
     """What a failed save tells the user: where it failed and why, what is on disk now, and what to do."""
-    kept = (f"the previous checkpoint at {path} is unchanged and loadable" if existed
-            else f"no checkpoint was written at {path}")
+    kept = (
+        f"the previous checkpoint at {path} is unchanged and loadable"
+        if existed
+        else f"no checkpoint was written at {path}"
+    )
     hint = ""
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         with contextlib.suppress(OSError):
             free = shutil.disk_usage(path.parent).free / 2**20
-            hint = (f" {free:.1f} MiB are free on that file system now: free space, or save elsewhere "
-                    "(ModelCheckpoint(dirpath=...)).")
+            hint = (
+                f" {free:.1f} MiB are free on that file system now: free space, or save elsewhere "
+                "(ModelCheckpoint(dirpath=...))."
+            )
     text = " ".join(str(err).split()) or type(err).__name__
-    return (f"saving the checkpoint {path} failed on {where}: {type(err).__name__}: {text}. Nothing was replaced: "
-            f"{kept}, and the partial files were removed.{hint}")
+    return (
+        f"saving the checkpoint {path} failed on {where}: {type(err).__name__}: {text}. Nothing was replaced: "
+        f"{kept}, and the partial files were removed.{hint}"
+    )

@@ -85,7 +85,9 @@ def clip_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: float) -
 
 
 def unscale_and_check_(
-    grads: Sequence[torch.Tensor], inv_scale: float, groups: Sequence[dist.ProcessGroup | None] = (),
+    grads: Sequence[torch.Tensor],
+    inv_scale: float,
+    groups: Sequence[dist.ProcessGroup | None] = (),
     device: torch.device | None = None,
 ) -> bool:
     """Multiplies ``grads`` by ``inv_scale`` and returns whether any rank of ``groups`` holds an inf or NaN.

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import (
     Callback,
@@ -31,8 +32,6 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from typing_extensions import override
-
-import lightning.pytorch as pl
 
 __all__ = ["ModelSizeSummary", "RunSummary", "fixed_progress_bar", "stock_callbacks"]
 
@@ -83,8 +82,9 @@ def fixed_progress_bar(bar: ProgressBar | None) -> ProgressBar | None:
     """The fixed counterpart of Lightning's stock bar ``bar`` (same kind, same settings); None for any other bar
     (a user's own bar is left alone) or when there is none."""
     if type(bar) is RichProgressBar:
-        return _RichBar(refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme,
-                        console_kwargs=bar._console_kwargs)
+        return _RichBar(
+            refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme, console_kwargs=bar._console_kwargs
+        )
     if type(bar) is TQDMProgressBar:
         return _TQDMBar(refresh_rate=bar.refresh_rate, process_position=bar.process_position, leave=bar._leave)
     return None
@@ -108,8 +108,10 @@ class _SizeSummary(ModelSummary):
         lines += [f"  {n:<{width}}  {t:<{type_width}}  {get_human_readable_count(c):>6}" for n, t, c in rows]
         first = next(iter(pl_module.parameters()), None)
         size = total * (first.element_size() if first is not None else 4)
-        lines.append(f"  {get_human_readable_count(total)} parameters ({get_human_readable_count(trainable)} "
-                     f"trainable), {size / 2**20:.2f} MiB")
+        lines.append(
+            f"  {get_human_readable_count(total)} parameters ({get_human_readable_count(trainable)} "
+            f"trainable), {size / 2**20:.2f} MiB"
+        )
         lines += _sharding_lines(trainer)
         print("\n".join(lines), flush=True)
 
@@ -181,8 +183,9 @@ class RunSummary(Callback):
         self._unit = "samples"
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         if self._start is None:
             self._start = now
@@ -206,15 +209,21 @@ class RunSummary(Callback):
                 rows.append((label, f"{metrics[key]:.4f} ({key})"))
         if self._seconds > 0 and self._items:
             rate = self._items / self._seconds
-            rows.append(("throughput", f"{rate:,.0f} {self._unit}/s over {trainer.world_size} processes "
-                                       f"({trainer.global_step} optimizer steps)"))
+            rows.append(
+                (
+                    "throughput",
+                    f"{rate:,.0f} {self._unit}/s over {trainer.world_size} processes "
+                    f"({trainer.global_step} optimizer steps)",
+                )
+            )
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         if log_dir:
             root = getattr(trainer.logger, "root_dir", None) or getattr(trainer.logger, "save_dir", None) or log_dir
             label = "TensorBoard logs" if "TensorBoard" in type(trainer.logger).__name__ else "logs"
             rows.append((label, f"{_shown(log_dir)}  (tensorboard --logdir {_shown(root)})"))
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
-            trainer.checkpoint_callback, "best_model_path", "")
+            trainer.checkpoint_callback, "best_model_path", ""
+        )
         if checkpoint:
             hint = f"  (zlightning consolidate {_shown(checkpoint)} model.pt)" if _is_dir(checkpoint) else ""
             rows.append(("checkpoint", f"{_shown(checkpoint)}{hint}"))

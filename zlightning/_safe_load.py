@@ -102,7 +102,11 @@ def register_lightning_safe_globals() -> None:
 
 def _register_safe_globals() -> None:
     paths: list[Any] = [
-        pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath
+        pathlib.Path,
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
     ]
     paths += [(cls, f"pathlib.{cls.__name__}") for cls in paths if cls.__module__ != "pathlib"]  # Python >= 3.13
     torch.serialization.add_safe_globals([argparse.Namespace, *paths, *_numpy_globals()])

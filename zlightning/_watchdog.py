@@ -183,8 +183,13 @@ class Monitor:
     def _tick(self) -> None:
         current = int(self.store.add(f"{_NS}/round", 0))
         blocked = self.blocked
-        if (blocked is not None and self.verdict is None and time.monotonic() - blocked[0] > self.timeout
-                and self._asked_at != blocked[0] and current <= self.handled):
+        if (
+            blocked is not None
+            and self.verdict is None
+            and time.monotonic() - blocked[0] > self.timeout
+            and self._asked_at != blocked[0]
+            and current <= self.handled
+        ):
             self._asked_at = blocked[0]  # ask once per blocked wait, unless another rank asked already
             current = int(self.store.add(f"{_NS}/round", 1))
         if current > self.handled:
@@ -236,9 +241,12 @@ class Monitor:
         while frame is not None and frame.f_code.co_filename == __file__:  # the watchdog's own frames
             frame = frame.f_back
         where = traceback.format_stack(frame, limit=1)[-1].strip().splitlines()[0] if frame is not None else "?"
-        return {"records": records, "where": where,
-                "blocked_s": time.monotonic() - blocked[0] if blocked else None,
-                "blocked_in": blocked[1] if blocked else None}
+        return {
+            "records": records,
+            "where": where,
+            "blocked_s": time.monotonic() - blocked[0] if blocked else None,
+            "blocked_in": blocked[1] if blocked else None,
+        }
 
     def everyone_knows(self, timeout: float = 3.0) -> None:
         """Waits until every rank that answered the last comparison has its verdict: the first rank to raise may
@@ -373,8 +381,13 @@ def note_exit(rank: int, how: str) -> None:
             pass
 
 
-def wait_for(work: Any, what: str | None = None, sliced: bool = True,
-             hang_error: type[RuntimeError] = CollectiveTimeoutError, point_to_point: bool = False) -> None:
+def wait_for(
+    work: Any,
+    what: str | None = None,
+    sliced: bool = True,
+    hang_error: type[RuntimeError] = CollectiveTimeoutError,
+    point_to_point: bool = False,
+) -> None:
     """Waits for a ``torch.distributed`` work like ``work.wait()``, such that the watchdog can end a hang and a
     failure is explained (`explain_failure`). gloo collectives are waited in slices of `_SLICE_S` seconds;
     ``sliced=False`` for device collectives, whose waits do not block the host (their hangs end through the NCCL
@@ -405,8 +418,10 @@ def wait_for(work: Any, what: str | None = None, sliced: bool = True,
                     raise
             verdict = monitor.compare_now()
             waited = time.monotonic() - start
-            raise hang_error(f"rank {monitor.rank} waited {waited:.0f} s for {doing} ({WATCHDOG_TIMEOUT_ENV}="
-                             f"{monitor.timeout:g}): {verdict}")
+            raise hang_error(
+                f"rank {monitor.rank} waited {waited:.0f} s for {doing} ({WATCHDOG_TIMEOUT_ENV}="
+                f"{monitor.timeout:g}): {verdict}"
+            )
         if not sliced:
             work.wait()
             return
@@ -425,8 +440,10 @@ def wait_for(work: Any, what: str | None = None, sliced: bool = True,
                 raise CollectiveMismatchError(verdict)
             waited = time.monotonic() - start
             if waited > monitor.timeout:
-                raise hang_error(f"rank {monitor.rank} waited {waited:.0f} s for {doing} ({WATCHDOG_TIMEOUT_ENV}="
-                                 f"{monitor.timeout:g}): {verdict}")
+                raise hang_error(
+                    f"rank {monitor.rank} waited {waited:.0f} s for {doing} ({WATCHDOG_TIMEOUT_ENV}="
+                    f"{monitor.timeout:g}): {verdict}"
+                )
     except RuntimeError as err:
         if isinstance(err, (CollectiveMismatchError, PeerFailureError, hang_error)):
             raise
@@ -457,8 +474,13 @@ def explain_failure(err: BaseException, what: str | None = None) -> BaseExceptio
                 return CollectiveMismatchError(verdict)
             dead = _dead_peers(monitor)
             for r in monitor.missing:
-                dead.setdefault(r, (monitor.peers().get(r, {}), f"did not answer within {_ANSWER_S:.0f} s (dead, "
-                                    "or its host unreachable)"))
+                dead.setdefault(
+                    r,
+                    (
+                        monitor.peers().get(r, {}),
+                        f"did not answer within {_ANSWER_S:.0f} s (dead, or its host unreachable)",
+                    ),
+                )
     except Exception:  # noqa: BLE001 - the store is gone with its host
         host = os.environ.get("MASTER_ADDR", "?")
         port = os.environ.get("MASTER_PORT", "?")
@@ -466,7 +488,8 @@ def explain_failure(err: BaseException, what: str | None = None) -> BaseExceptio
             f"rank {monitor.rank}: a peer failed while this rank was in {doing}, and the run's store at "
             f"{host}:{port} does not answer either: the process hosting it (rank 0 under Lightning's launcher, the "
             f"torchrun agent under torchrun) has most likely died. Look at its log and exit status (the kernel log "
-            f"for the OOM killer). gloo said: {raw}")
+            f"for the OOM killer). gloo said: {raw}"
+        )
     if not dead:
         return err
     parts = []
@@ -475,8 +498,9 @@ def explain_failure(err: BaseException, what: str | None = None) -> BaseExceptio
         parts.append(f"rank {r}{where} {how}")
     error = PeerFailureError(
         f"rank {monitor.rank}: {'; '.join(parts)} while this rank was in {doing}. The run cannot continue; the last "
-        f"checkpoint is intact (restart with ckpt_path=\"last\"). Look at the dead rank's log and exit status (a "
-        f"SIGKILL often means the OOM killer: see the kernel log). gloo said: {raw}")
+        f'checkpoint is intact (restart with ckpt_path="last"). Look at the dead rank\'s log and exit status (a '
+        f"SIGKILL often means the OOM killer: see the kernel log). gloo said: {raw}"
+    )
     error.killed = any(how.startswith("killed") for _, how in dead.values())
     return error
 
@@ -500,8 +524,11 @@ def first_divergence(reports: dict[int, dict[str, Any]], world: int) -> str:
     """The verdict of a comparison (see [Note: diverging collectives]) from each answering rank's report
     (``records``: its recent `Record` dicts; ``where``: its main thread's current line)."""
     missing = [r for r in range(world) if r not in reports]
-    silent = (f" Ranks {missing} did not answer within {_ANSWER_S:.0f} s (dead, or stuck without releasing the "
-              "GIL)." if missing else "")
+    silent = (
+        f" Ranks {missing} did not answer within {_ANSWER_S:.0f} s (dead, or stuck without releasing the GIL)."
+        if missing
+        else ""
+    )
     seqs = {r: {d["seq"]: Record(**d) for d in rep.get("records", [])} for r, rep in reports.items()}
     if not seqs:
         return "no rank answered the watchdog's comparison." + silent
@@ -519,8 +546,10 @@ def first_divergence(reports: dict[int, dict[str, Any]], world: int) -> str:
                     after = f" after #{last.seq}, {last.describe()}" if last is not None else ""
                     behind.append(f"rank {r} issued nothing more{after}; it is at {reports[r].get('where', '?')}")
             waiting = sorted(r for r, rec in at.items() if rec is not None)
-            return (f"the ranks' ZeRO-3 collectives agree, but {'; '.join(behind)}, while ranks {waiting} wait in "
-                    f"#{seq}, {ahead.describe()}: the hang is in that rank's own code (or data loading)." + silent)
+            return (
+                f"the ranks' ZeRO-3 collectives agree, but {'; '.join(behind)}, while ranks {waiting} wait in "
+                f"#{seq}, {ahead.describe()}: the hang is in that rank's own code (or data loading)." + silent
+            )
         if len(keys) > 1:
             lines = []
             for r, rec in sorted(at.items()):
@@ -530,21 +559,26 @@ def first_divergence(reports: dict[int, dict[str, Any]], world: int) -> str:
                     last = seqs[r].get(max(seqs[r])) if seqs[r] else None
                     after = f" after #{last.seq}, {last.describe()}" if last is not None else ""
                     lines.append(f"rank {r} issued nothing more{after}; it is at {reports[r].get('where', '?')}")
-            return (f"the ranks' ZeRO-3 collectives diverge at collective #{seq}: " + "; ".join(lines) + ". Every "
-                    "rank must run the same modules in the same order under ZeRO-3: look for a branch taken on "
-                    "some ranks only, a unit called twice, or a module skipped (e.g. depending on the data)."
-                    + silent)
-    where = "; ".join(f"rank {r} is at {rep.get('where', '?')}"
-                      + (f" (waiting {rep['blocked_s']:.0f} s for {rep['blocked_in']})" if rep.get("blocked_s") else "")
-                      for r, rep in sorted(reports.items()))
+            return (
+                f"the ranks' ZeRO-3 collectives diverge at collective #{seq}: " + "; ".join(lines) + ". Every "
+                "rank must run the same modules in the same order under ZeRO-3: look for a branch taken on "
+                "some ranks only, a unit called twice, or a module skipped (e.g. depending on the data)." + silent
+            )
+    where = "; ".join(
+        f"rank {r} is at {rep.get('where', '?')}"
+        + (f" (waiting {rep['blocked_s']:.0f} s for {rep['blocked_in']})" if rep.get("blocked_s") else "")
+        for r, rep in sorted(reports.items())
+    )
     if high == 0:
         return f"where each rank is: {where}." + silent
-    return (f"every answering rank issued the same ZeRO-3 collectives (up to #{high}); the hang is elsewhere: "
-            f"{where}." + silent)
+    return (
+        f"every answering rank issued the same ZeRO-3 collectives (up to #{high}); the hang is elsewhere: "
+        f"{where}." + silent
+    )
 
 
 def _repeat_note(records: dict[int, Record], rec: Record) -> str:
-    """", its 2nd forward of that unit in this pass" when the unit was gathered before in the same pass."""
+    """ ", its 2nd forward of that unit in this pass" when the unit was gathered before in the same pass."""
     same = [r for r in records.values() if r.seq <= rec.seq and r.key() == rec.key()]
     if len(same) < 2:
         return ""

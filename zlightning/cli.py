@@ -65,21 +65,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Imported for its side effect: registering "zstack_zero3" (and later strategies) in Lightning's StrategyRegistry,
-# so `trainer.strategy: zstack_zero3` resolves. It must precede LightningCLI's parsing.
-import zlightning  # noqa: F401
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-from zlightning._run_report import RunSummary, _RichBar, _RichSizeSummary, _TQDMBar, ModelSizeSummary
+# Imported for its side effect: registering "zstack_zero3" (and later strategies) in Lightning's StrategyRegistry,
+# so `trainer.strategy: zstack_zero3` resolves. It must precede LightningCLI's parsing.
+import zlightning  # noqa: F401
+from zlightning._run_report import ModelSizeSummary, RunSummary, _RichBar, _RichSizeSummary, _TQDMBar
 
 __all__ = ["EXTRA_COMMANDS", "main"]
 
 Command = Callable[[list[str]], None]
 """A zlightning subcommand that is not a LightningCLI one: called with the arguments after its name."""
+
 
 def _consolidate(argv: list[str]) -> None:
     """``zlightning consolidate CKPT_DIR OUT``: one plain state-dict file from a sharded checkpoint.
@@ -101,14 +102,17 @@ def _consolidate(argv: list[str]) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written tensors")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
-        "--unsafe-load", action="store_true",
+        "--unsafe-load",
+        action="store_true",
         help="unpickle the model files in full (torch.load weights_only=False), which can run code stored in them: "
         "only for checkpoints from a source you trust whose buffers or extra state are not plain data",
     )
     a = p.parse_args(argv)
     if not Path(a.ckpt_dir).exists():
-        sys.exit(f"zlightning consolidate: {a.ckpt_dir} does not exist (give the checkpoint directory or file that "
-                 "trainer.save_checkpoint / ModelCheckpoint wrote, e.g. runs/gpt_zero3/version_0/checkpoints/last.ckpt)")
+        sys.exit(
+            f"zlightning consolidate: {a.ckpt_dir} does not exist (give the checkpoint directory or file that "
+            "trainer.save_checkpoint / ModelCheckpoint wrote, e.g. runs/gpt_zero3/version_0/checkpoints/last.ckpt)"
+        )
     if Path(a.out).parent != Path("") and not Path(a.out).parent.is_dir():
         sys.exit(f"zlightning consolidate: the folder of the output file {a.out} does not exist; create it first")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -137,9 +141,11 @@ def _estimate(argv: list[str]) -> None:
 
     p = argparse.ArgumentParser(prog="zlightning estimate", description=_estimate.__doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="class path of the model, e.g. zlightning.models.GPTLightningModule (built on meta)")
+    src.add_argument(
+        "--model", help="class path of the model, e.g. zlightning.models.GPTLightningModule (built on meta)"
+    )
     src.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
-    p.add_argument("--init-args", default="{}", help='JSON keyword arguments for --model, e.g. \'{"d_model": 512}\'')
+    p.add_argument("--init-args", default="{}", help="JSON keyword arguments for --model, e.g. '{\"d_model\": 512}'")
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
     p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed, ...")
@@ -151,13 +157,18 @@ def _estimate(argv: list[str]) -> None:
         try:
             cls = getattr(importlib.import_module(mod_name), cls_name)
         except (ImportError, AttributeError, ValueError) as err:
-            sys.exit(f"zlightning estimate: cannot import --model {a.model!r} ({err}); give a class path such as "
-                     "zlightning.models.GPTLightningModule")
+            sys.exit(
+                f"zlightning estimate: cannot import --model {a.model!r} ({err}); give a class path such as "
+                "zlightning.models.GPTLightningModule"
+            )
         with torch.device("meta"):
             module = cls(**json.loads(a.init_args))
     est = estimate_zero_memory(
-        world_size=a.world_size, module=module, num_params=int(a.params) if a.params else None,
-        stage=a.stage, precision=a.precision,
+        world_size=a.world_size,
+        module=module,
+        num_params=int(a.params) if a.params else None,
+        stage=a.stage,
+        precision=a.precision,
     )
     print(f"per-rank model states (ZeRO stage {a.stage}, {a.world_size} ranks, {a.precision}):")
     for key, value in est.as_dict().items():
@@ -179,7 +190,10 @@ def _kernels(argv: list[str]) -> None:
 
 
 EXTRA_COMMANDS: dict[str, Command] = {
-    "consolidate": _consolidate, "estimate": _estimate, "analyze": _analyze, "kernels": _kernels,
+    "consolidate": _consolidate,
+    "estimate": _estimate,
+    "analyze": _analyze,
+    "kernels": _kernels,
 }
 """Subcommands dispatched before LightningCLI, by name (the first argument): ``consolidate``, ``estimate``,
 ``analyze``, ``kernels``; every other first argument (``fit``, ``validate``, ...) goes to LightningCLI."""
@@ -191,24 +205,30 @@ _LIGHTNING_COMMANDS = {
     "predict": "predictions over the predict set",
 }
 
-_HELP_EPILOG = (
-    "ZeRO-3 knobs: --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy"
-)
+_HELP_EPILOG = "ZeRO-3 knobs: --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy"
 
 
 def _overview() -> str:
     """``zlightning --help``: every command, LightningCLI's and zlightning's tools."""
-    tools = {name: (fn.__doc__ or "").split(":", 1)[-1].strip().split("\n")[0].rstrip(".")
-             for name, fn in EXTRA_COMMANDS.items()}
+    tools = {
+        name: (fn.__doc__ or "").split(":", 1)[-1].strip().split("\n")[0].rstrip(".")
+        for name, fn in EXTRA_COMMANDS.items()
+    }
     ours = sorted(name for name in StrategyRegistry.available_strategies() if name.startswith("zstack"))
     width = max(map(len, [*_LIGHTNING_COMMANDS, *tools]))
-    lines = ["usage: zlightning COMMAND [options]      (zlightning COMMAND --help for the options of one command)", "",
-             "training (LightningCLI):"]
+    lines = [
+        "usage: zlightning COMMAND [options]      (zlightning COMMAND --help for the options of one command)",
+        "",
+        "training (LightningCLI):",
+    ]
     lines += [f"  {name:<{width}}  {text}" for name, text in _LIGHTNING_COMMANDS.items()]
     lines += ["", "tools:"]
     lines += [f"  {name:<{width}}  {text}" for name, text in tools.items()]
-    lines += ["", f"strategies (--trainer.strategy=NAME): {', '.join(ours)}",
-              "ZeRO-3 knobs: zlightning fit --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy"]
+    lines += [
+        "",
+        f"strategies (--trainer.strategy=NAME): {', '.join(ours)}",
+        "ZeRO-3 knobs: zlightning fit --trainer.strategy.help zlightning.strategies.ZStackZero3Strategy",
+    ]
     return "\n".join(lines)
 
 
@@ -244,9 +264,11 @@ def _registered_strategy_error(name: str) -> str | None:
     close = difflib.get_close_matches(name, available, n=3, cutoff=0.6)
     ours = sorted(n for n in available if n.startswith("zstack"))
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-    return (f"trainer.strategy={name!r} is not a registered strategy: {hint}zlightning's strategies: "
-            f"{', '.join(ours)}; Lightning's include ddp, fsdp, deepspeed (a class path such as "
-            "zlightning.strategies.ZStackZero3Strategy works too)")
+    return (
+        f"trainer.strategy={name!r} is not a registered strategy: {hint}zlightning's strategies: "
+        f"{', '.join(ours)}; Lightning's include ddp, fsdp, deepspeed (a class path such as "
+        "zlightning.strategies.ZStackZero3Strategy works too)"
+    )
 
 
 def _config_strategy(argv: list[str]) -> tuple[dict[str, Any] | None, str | None]:
@@ -287,7 +309,11 @@ def _strategy_over_config(block: dict[str, Any], name: str) -> Any:
 
     entry = dict.get(StrategyRegistry, name)  # the registration (its .get would build the strategy)
     cls_name = str(block.get("class_path", "")).rpartition(".")[2]
-    if entry is None or cls_name not in ("ZStackZero3Strategy", "ZeroStrategy") or entry["strategy"] is not ZStackZero3Strategy:
+    if (
+        entry is None
+        or cls_name not in ("ZStackZero3Strategy", "ZeroStrategy")
+        or entry["strategy"] is not ZStackZero3Strategy
+    ):
         kept = ", ".join(sorted((block.get("init_args") or {}).keys())) or "nothing"
         _say(f"--trainer.strategy={name} replaces the config's {cls_name} (its init_args are not used: {kept})")
         return None
@@ -296,14 +322,22 @@ def _strategy_over_config(block: dict[str, Any], name: str) -> Any:
     base = parser.instantiate_classes(parser.parse_object({"strategy": block})).strategy
     registered = entry["init_params"].get("zero", ZeroConfig())
     default = ZeroConfig()
-    added = {f.name: getattr(registered, f.name) for f in dataclasses.fields(ZeroConfig)
-             if getattr(registered, f.name) != getattr(default, f.name)}
-    kept = [f"zero.{f.name}" for f in dataclasses.fields(ZeroConfig)
-            if getattr(base.zero, f.name) != getattr(default, f.name) and f.name not in added]
+    added = {
+        f.name: getattr(registered, f.name)
+        for f in dataclasses.fields(ZeroConfig)
+        if getattr(registered, f.name) != getattr(default, f.name)
+    }
+    kept = [
+        f"zero.{f.name}"
+        for f in dataclasses.fields(ZeroConfig)
+        if getattr(base.zero, f.name) != getattr(default, f.name) and f.name not in added
+    ]
     base.zero = dataclasses.replace(base.zero, **added)
     what = ", ".join(f"zero.{k}={v!r}" for k, v in added.items()) or "nothing"
-    _say(f"--trainer.strategy={name} applied on top of the config's {cls_name}: added {what}; kept "
-         f"{', '.join(kept) or 'no other knob'} from the config")
+    _say(
+        f"--trainer.strategy={name} applied on top of the config's {cls_name}: added {what}; kept "
+        f"{', '.join(kept) or 'no other knob'} from the config"
+    )
     return base
 
 
@@ -337,9 +371,13 @@ class _CLI(LightningCLI):
         given = given if isinstance(given, list) else [given]
         everything = [*given, *callbacks]
         extra: list[Callback] = []
-        if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in everything):
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in everything
+        ):
             extra.append(_RichBar() if _RICH_AVAILABLE else _TQDMBar())
-        if config.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary) for c in everything):
+        if config.get("enable_model_summary", True) is not False and not any(
+            isinstance(c, ModelSummary) for c in everything
+        ):
             extra.append(_RichSizeSummary() if _RICH_AVAILABLE else ModelSizeSummary())
         if self.subcommand == "fit" and not any(isinstance(c, RunSummary) for c in everything):
             extra.append(RunSummary())

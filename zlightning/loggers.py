@@ -91,8 +91,16 @@ class TensorBoardLogger(_LightningTensorBoardLogger):
                 re.compile(pattern)
             except re.error as err:
                 raise ValueError(f"TensorBoardLogger(sections=...): {pattern!r} is not a valid regex ({err})") from err
-        super().__init__(save_dir, name=name, version=version, log_graph=log_graph,
-                         default_hp_metric=default_hp_metric, prefix=prefix, sub_dir=sub_dir, **kwargs)
+        super().__init__(
+            save_dir,
+            name=name,
+            version=version,
+            log_graph=log_graph,
+            default_hp_metric=default_hp_metric,
+            prefix=prefix,
+            sub_dir=sub_dir,
+            **kwargs,
+        )
         self.sections = tuple(sections)
 
     @override

@@ -191,7 +191,11 @@ class DataAnalyzer:
         progress: bool = True,
         keep_chunks: bool = False,
     ) -> None:
-        for name, value, lo in (("batch_size", batch_size, 1), ("num_workers", num_workers, 1), ("num_threads", num_threads, 1)):
+        for name, value, lo in (
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 1),
+            ("num_threads", num_threads, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"DataAnalyzer: {name} must be an int >= {lo}, got {value!r}.")
         if not 0 <= worker_id < num_workers:
@@ -201,7 +205,12 @@ class DataAnalyzer:
         if self.num_samples < 1:
             raise ValueError("DataAnalyzer: the dataset is empty.")
         self.save_path = Path(save_path)
-        self.batch_size, self.num_workers, self.worker_id, self.num_threads = batch_size, num_workers, worker_id, num_threads
+        self.batch_size, self.num_workers, self.worker_id, self.num_threads = (
+            batch_size,
+            num_workers,
+            worker_id,
+            num_threads,
+        )
         self.collate_fn = collate_fn
         self.pad_token_id = pad_token_id
         self.token_counts = token_counts
@@ -221,7 +230,9 @@ class DataAnalyzer:
         n = len(names)
         for label, seq in (("metric_functions", fns), ("metric_types", types), ("metric_dtypes", dtypes)):
             if seq is not None and len(seq) != n:
-                raise ValueError(f"DataAnalyzer: {label} has {len(seq)} entries but metric_names has {n}: {list(names)}.")
+                raise ValueError(
+                    f"DataAnalyzer: {label} has {len(seq)} entries but metric_names has {n}: {list(names)}."
+                )
         specs = []
         for i, name in enumerate(names):
             fn = fns[i] if fns is not None else None
@@ -247,7 +258,9 @@ class DataAnalyzer:
 
     def _loader(self, start: int, end: int) -> DataLoader[Any]:
         subset = Subset(self.dataset, range(start, end))
-        return DataLoader(subset, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn, drop_last=False)
+        return DataLoader(
+            subset, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn, drop_last=False
+        )
 
     def compute_token_counts(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Token histogram of samples ``[start, end)`` (default: the whole dataset; the first pass of

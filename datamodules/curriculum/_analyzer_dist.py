@@ -95,9 +95,18 @@ class DistributedDataAnalyzer(DataAnalyzer):
         progress: bool = True,
     ) -> None:
         super().__init__(
-            dataset, save_path=save_path, metric_names=metric_names, metric_functions=metric_functions,
-            metric_types=metric_types, metric_dtypes=metric_dtypes, metrics=metrics, batch_size=batch_size,
-            num_threads=num_threads, collate_fn=collate_fn, pad_token_id=pad_token_id, token_counts=token_counts,
+            dataset,
+            save_path=save_path,
+            metric_names=metric_names,
+            metric_functions=metric_functions,
+            metric_types=metric_types,
+            metric_dtypes=metric_dtypes,
+            metrics=metrics,
+            batch_size=batch_size,
+            num_threads=num_threads,
+            collate_fn=collate_fn,
+            pad_token_id=pad_token_id,
+            token_counts=token_counts,
             progress=progress,
         )
         self.comm_group = comm_group

@@ -29,14 +29,24 @@ def _resolve(spec: str, what: str) -> Any:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zlightning analyze", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="zlightning analyze", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--save-path", required=True, help="output folder of the metric index files")
     p.add_argument("--metrics", nargs="*", default=["seqlen", "vocab_rarity"], help="built-in metrics to compute")
-    p.add_argument("--metric-fn", action="append", default=[], metavar="NAME=MODULE:FN",
-                   help="a user metric: FN(batch) returns one int64 value per sample (repeatable)")
-    p.add_argument("--dataset", default=None, metavar="MODULE:ATTR",
-                   help="a map-style dataset, or a zero-argument callable returning one (default: the text corpus)")
+    p.add_argument(
+        "--metric-fn",
+        action="append",
+        default=[],
+        metavar="NAME=MODULE:FN",
+        help="a user metric: FN(batch) returns one int64 value per sample (repeatable)",
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="a map-style dataset, or a zero-argument callable returning one (default: the text corpus)",
+    )
     p.add_argument("--data-dir", default=None, help="text corpus root (default: the Python standard library)")
     p.add_argument("--pattern", default="*.py", help="text corpus file glob")
     p.add_argument("--seq-len", type=int, default=256, help="text corpus tokens per sample")
@@ -50,9 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--map-only", action="store_true", help="run this worker's map only")
     mode.add_argument("--reduce-only", action="store_true", help="run the reduce only")
-    mode.add_argument("--distributed", action="store_true",
-                      help="DistributedDataAnalyzer over the torch.distributed ranks (torchrun; gloo unless already "
-                           "initialised); rank 0 writes the files")
+    mode.add_argument(
+        "--distributed",
+        action="store_true",
+        help="DistributedDataAnalyzer over the torch.distributed ranks (torchrun; gloo unless already "
+        "initialised); rank 0 writes the files",
+    )
     return p
 
 
@@ -82,8 +95,15 @@ def analyze_main(argv: list[str]) -> None:
         _analyze_distributed(a, specs)
         return
     analyzer = DataAnalyzer(
-        _dataset(a), save_path=a.save_path, metric_names=a.metrics, metrics=specs, batch_size=a.batch_size,
-        num_workers=a.num_workers, worker_id=a.worker_id, num_threads=a.num_threads, pad_token_id=a.pad_token_id,
+        _dataset(a),
+        save_path=a.save_path,
+        metric_names=a.metrics,
+        metrics=specs,
+        batch_size=a.batch_size,
+        num_workers=a.num_workers,
+        worker_id=a.worker_id,
+        num_threads=a.num_threads,
+        pad_token_id=a.pad_token_id,
         progress=not a.no_progress,
     )
     if not a.reduce_only:
@@ -100,13 +120,21 @@ def _analyze_distributed(a: argparse.Namespace, specs: list[Any]) -> None:
     from ._analyzer_dist import DistributedDataAnalyzer
 
     if a.num_workers != 1 or a.worker_id != 0:
-        raise SystemExit("zlightning analyze: --distributed takes its workers from torch.distributed; drop "
-                         "--num-workers/--worker-id.")
+        raise SystemExit(
+            "zlightning analyze: --distributed takes its workers from torch.distributed; drop "
+            "--num-workers/--worker-id."
+        )
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo")
     analyzer = DistributedDataAnalyzer(
-        _dataset(a), save_path=a.save_path, metric_names=a.metrics, metrics=specs, batch_size=a.batch_size,
-        num_threads=a.num_threads, pad_token_id=a.pad_token_id, progress=not a.no_progress,
+        _dataset(a),
+        save_path=a.save_path,
+        metric_names=a.metrics,
+        metrics=specs,
+        batch_size=a.batch_size,
+        num_threads=a.num_threads,
+        pad_token_id=a.pad_token_id,
+        progress=not a.no_progress,
     )
     analyzer.run_map_reduce()
     if dist.get_rank() == 0:

@@ -70,7 +70,9 @@ class CurriculumMetricConfig:
 
     def __post_init__(self) -> None:
         if self.difficulty_type not in ("value", "percentile"):
-            raise ValueError(f"CurriculumMetricConfig: difficulty_type must be 'value' or 'percentile', got {self.difficulty_type!r}.")
+            raise ValueError(
+                f"CurriculumMetricConfig: difficulty_type must be 'value' or 'percentile', got {self.difficulty_type!r}."
+            )
         if self.clustering_type not in ("schedule_based", "single_cluster"):
             raise ValueError(
                 "CurriculumMetricConfig: clustering_type must be 'schedule_based' or 'single_cluster', "
@@ -81,7 +83,9 @@ class CurriculumMetricConfig:
             if not self.index_to_sample_path:
                 raise ValueError(f"CurriculumMetricConfig: a schedule_based metric needs index_to_sample_path.{hint}")
             if self.difficulty_type == "value" and not self.index_to_metric_path:
-                raise ValueError(f"CurriculumMetricConfig: a schedule_based value metric needs index_to_metric_path.{hint}")
+                raise ValueError(
+                    f"CurriculumMetricConfig: a schedule_based value metric needs index_to_metric_path.{hint}"
+                )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str) -> CurriculumMetricConfig:
@@ -119,7 +123,9 @@ class CurriculumLearningConfig:
             raise ValueError("curriculum_learning: enabled=true needs at least one entry in curriculum_metrics.")
         for name in self.curriculum_metrics:
             if not name or not name.replace("_", "").replace("-", "").isalnum():
-                raise ValueError(f"curriculum_learning.curriculum_metrics: metric name {name!r} must be letters, digits, '_' or '-'.")
+                raise ValueError(
+                    f"curriculum_learning.curriculum_metrics: metric name {name!r} must be letters, digits, '_' or '-'."
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,8 +191,11 @@ class DataEfficiencyConfig:
         _check_keys(config, {"enabled", "seed", "data_sampling", "data_routing"}, "data_efficiency")
         _refuse_enabled(config.get("data_routing"), "data_efficiency.data_routing")
         ds = config.get("data_sampling", {})
-        _check_keys(ds, {"enabled", "num_epochs", "num_workers", "pin_memory", "curriculum_learning", "dynamic_batching"},
-                    "data_efficiency.data_sampling")
+        _check_keys(
+            ds,
+            {"enabled", "num_epochs", "num_workers", "pin_memory", "curriculum_learning", "dynamic_batching"},
+            "data_efficiency.data_sampling",
+        )
         _refuse_enabled(ds.get("dynamic_batching"), "data_efficiency.data_sampling.dynamic_batching")
         return cls(
             enabled=_check_bool(config.get("enabled", False), "data_efficiency.enabled"),
@@ -216,6 +225,7 @@ def _parse_curriculum(cl: Mapping[str, Any]) -> CurriculumLearningConfig:
         enabled=_check_bool(cl.get("enabled", False), f"{where}.enabled"),
         data_cluster_path=cl.get("data_cluster_path"),
         curriculum_metrics={
-            name: CurriculumMetricConfig.from_dict(m, f"{where}.curriculum_metrics.{name}") for name, m in metrics.items()
+            name: CurriculumMetricConfig.from_dict(m, f"{where}.curriculum_metrics.{name}")
+            for name, m in metrics.items()
         },
     )

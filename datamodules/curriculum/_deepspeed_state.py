@@ -80,7 +80,13 @@ DEEPSPEED_STATE_KEYS = (
 )
 """The keys of DeepSpeed's ``DeepSpeedDataSampler.state_dict()``, in its order."""
 
-SHAPE_KEYS = ("one_epoch_total_samples", "micro_batch_size", "data_parallel_size", "gradient_accumulation_steps", "seed")
+SHAPE_KEYS = (
+    "one_epoch_total_samples",
+    "micro_batch_size",
+    "data_parallel_size",
+    "gradient_accumulation_steps",
+    "seed",
+)
 """The keys of the ``shape`` entry of `DeepSpeedDataSampler.state_dict` (what a resuming sampler must match)."""
 
 

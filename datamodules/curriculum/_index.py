@@ -39,7 +39,14 @@ __all__ = ["IndexFile", "find_fit_int_dtype", "write_index_file"]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _CODES: dict[int, type[np.integer]] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint16, 7: np.uint32, 8: np.uint64,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.uint16,
+    7: np.uint32,
+    8: np.uint64,
 }
 _CODE_OF = {np.dtype(t): c for c, t in _CODES.items()}
 

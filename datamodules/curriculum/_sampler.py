@@ -164,8 +164,10 @@ def get_start_end_idx(batch_len: int, data_parallel_rank: int, data_parallel_siz
             f"get_start_end_idx: data_parallel_rank={data_parallel_rank} must be in [0, data_parallel_size="
             f"{data_parallel_size})."
         )
-    return (round(data_parallel_rank * batch_len / data_parallel_size),
-            round((data_parallel_rank + 1) * batch_len / data_parallel_size))
+    return (
+        round(data_parallel_rank * batch_len / data_parallel_size),
+        round((data_parallel_rank + 1) * batch_len / data_parallel_size),
+    )
 
 
 def get_sample_based_on_metric_value(
@@ -335,7 +337,11 @@ class DeepSpeedDataSampler:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DeepSpeedDataSampler: {name} must be a positive int, got {value!r}.")
-        if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int) or not 0 <= data_parallel_rank < data_parallel_size:
+        if (
+            isinstance(data_parallel_rank, bool)
+            or not isinstance(data_parallel_rank, int)
+            or not 0 <= data_parallel_rank < data_parallel_size
+        ):
             raise ValueError(
                 f"DeepSpeedDataSampler: data_parallel_rank must be in [0, data_parallel_size={data_parallel_size}), "
                 f"got {data_parallel_rank!r}."
@@ -551,8 +557,9 @@ class DeepSpeedDataSampler:
         """Sample ids in percentile units ``[percentile_start, percentile_end)`` of the ascending-metric order, or
         None if none: the module-level `get_sample_based_on_metric_percentile` on the metric's index file."""
         top = self.config.curriculum.curriculum_metrics[metric].schedule.max_difficulty
-        return get_sample_based_on_metric_percentile(self._metric_index(metric).samples, top, percentile_start,
-                                                     percentile_end)
+        return get_sample_based_on_metric_percentile(
+            self._metric_index(metric).samples, top, percentile_start, percentile_end
+        )
 
     def _eligible(self, name: str, difficulty: int) -> np.ndarray:
         m = self.config.curriculum.curriculum_metrics[name]
@@ -615,8 +622,15 @@ class DeepSpeedDataSampler:
     def _fingerprint(self, diffs: Mapping[str, int]) -> dict[str, Any]:
         metrics = {}
         for name, m in self.config.curriculum.curriculum_metrics.items():
-            files = [p for p in (m.index_to_sample_path, m.index_to_metric_path) if p and m.clustering_type == "schedule_based"]
-            stats = [[str(Path(p).resolve()), Path(p + ".bin").stat().st_size, Path(p + ".bin").stat().st_mtime_ns] for p in files]
+            files = [
+                p
+                for p in (m.index_to_sample_path, m.index_to_metric_path)
+                if p and m.clustering_type == "schedule_based"
+            ]
+            stats = [
+                [str(Path(p).resolve()), Path(p + ".bin").stat().st_size, Path(p + ".bin").stat().st_mtime_ns]
+                for p in files
+            ]
             metrics[name] = {"difficulty_type": m.difficulty_type, "clustering_type": m.clustering_type, "files": stats}
         return {
             "num_samples": self.one_epoch_total_samples,

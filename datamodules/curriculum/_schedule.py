@@ -111,7 +111,9 @@ class CurriculumSchedule:
     def _check_discrete(self) -> None:
         where = "CurriculumSchedule('fixed_discrete')"
         if not self.difficulty or not all(_is_int(d) for d in self.difficulty):
-            raise ValueError(f"{where}: schedule_config.difficulty must be a non-empty list of ints, got {self.difficulty!r}.")
+            raise ValueError(
+                f"{where}: schedule_config.difficulty must be a non-empty list of ints, got {self.difficulty!r}."
+            )
         if len(self.difficulty) != len(self.max_step) + 1 or not all(_is_int(s) for s in self.max_step):
             raise ValueError(
                 f"{where}: schedule_config.max_step must list one int step fewer than difficulty "
@@ -136,14 +138,18 @@ class CurriculumSchedule:
             raise TypeError(f"{where}: expected a dict, got {type(config).__name__}.")
         unknown = set(config) - _SCHEDULE_KEYS - _SAMPLER_KEYS
         if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_SCHEDULE_KEYS | _SAMPLER_KEYS)}.")
+            raise ValueError(
+                f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_SCHEDULE_KEYS | _SAMPLER_KEYS)}."
+            )
         missing = [k for k in ("min_difficulty", "max_difficulty", "schedule_type") if k not in config]
         if missing:
             raise ValueError(f"{where}: missing required keys {missing}.")
         sched = dict(config.get("schedule_config") or {})
         unknown = set(sched) - _SCHEDULE_CONFIG_KEYS
         if unknown:
-            raise ValueError(f"{where}.schedule_config: unknown keys {sorted(unknown)}; allowed: {sorted(_SCHEDULE_CONFIG_KEYS)}.")
+            raise ValueError(
+                f"{where}.schedule_config: unknown keys {sorted(unknown)}; allowed: {sorted(_SCHEDULE_CONFIG_KEYS)}."
+            )
         try:
             return cls(
                 min_difficulty=config["min_difficulty"],

@@ -19,18 +19,17 @@ The model side (CP attention, its process groups) is `zlightning.parallel`; the 
 `LinearQuadraticCost`, `unpack_packed_batch`, `lockstep_plan`.
 """
 
+# Also importable here (see the module docs); the `X as X` form marks them as deliberate re-exports.
+from ._cost import LinearQuadraticCost as LinearQuadraticCost
 from ._cost import TransformerShape, fit_cost, transformer_cost
 from ._datamodule import HybridCPTextDataModule, PackedDocumentDataset
 from ._loop import global_token_count, hybrid_cp_forward_backward
-from ._schedule import BalancedCPScheduler, CostFn, schedule_hybrid_cp, schedule_stats
-from ._wrapper import HybridCPBatch, HybridCPConfig, HybridCPDataLoaderWrapper, HybridCPSubSample, zigzag_shard
-
-# Also importable here (see the module docs); the `X as X` form marks them as deliberate re-exports.
-from ._cost import LinearQuadraticCost as LinearQuadraticCost
 from ._loop import lockstep_plan as lockstep_plan
+from ._schedule import BalancedCPScheduler, CostFn, schedule_hybrid_cp, schedule_stats
 from ._schedule import ScheduleStats as ScheduleStats
 from ._schedule import cp_size_needed as cp_size_needed
 from ._schedule import quadratic_cost as quadratic_cost
+from ._wrapper import HybridCPBatch, HybridCPConfig, HybridCPDataLoaderWrapper, HybridCPSubSample, zigzag_shard
 from ._wrapper import unpack_packed_batch as unpack_packed_batch
 
 __all__ = [

@@ -152,12 +152,15 @@ def fit_cost(measurements: Sequence[tuple[int, int, float]]) -> LinearQuadraticC
     rows = []
     for i, (length, cp, seconds) in enumerate(measurements):
         if length < 1 or cp < 1 or not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(f"fit_cost: measurement {i} = {(length, cp, seconds)} needs length >= 1, cp >= 1 and a "
-                             f"finite time >= 0.")
+            raise ValueError(
+                f"fit_cost: measurement {i} = {(length, cp, seconds)} needs length >= 1, cp >= 1 and a "
+                f"finite time >= 0."
+            )
         rows.append((length / cp, length * length / cp, seconds))
     if len({x for x, _, _ in rows}) < 2:
-        raise ValueError("fit_cost: need measurements of at least two different lengths to separate the linear and "
-                         "quadratic terms.")
+        raise ValueError(
+            "fit_cost: need measurements of at least two different lengths to separate the linear and quadratic terms."
+        )
     sxx = sum(x * x for x, _, _ in rows)
     sxy = sum(x * y for x, y, _ in rows)
     syy = sum(y * y for _, y, _ in rows)

@@ -130,10 +130,12 @@ class HybridCPTextDataModule(TextCorpusDataModule):
             raise TypeError(
                 f"HybridCPTextDataModule: hybrid_cp must be a HybridCPConfig, got {type(hybrid_cp).__name__}."
             )
-        if pad_multiple is not None and (isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int)
-                                         or pad_multiple < 1):
-            raise ValueError(f"HybridCPTextDataModule: pad_multiple must be None or a positive int, got "
-                             f"{pad_multiple!r}.")
+        if pad_multiple is not None and (
+            isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1
+        ):
+            raise ValueError(
+                f"HybridCPTextDataModule: pad_multiple must be None or a positive int, got {pad_multiple!r}."
+            )
         super().__init__(**kwargs)
         self.hybrid_cp = hybrid_cp
         self.pad_multiple = pad_multiple
@@ -155,12 +157,20 @@ class HybridCPTextDataModule(TextCorpusDataModule):
             )
         world, rank, cp = dist.get_world_size(), dist.get_rank(), self.hybrid_cp.cp_size
         if world % cp:
-            raise ValueError(f"HybridCPTextDataModule: {world} ranks cannot be cut into data replicas of "
-                             f"hybrid_cp.cp_size={cp} ranks; choose a cp_size that divides the world size.")
+            raise ValueError(
+                f"HybridCPTextDataModule: {world} ranks cannot be cut into data replicas of "
+                f"hybrid_cp.cp_size={cp} ranks; choose a cp_size that divides the world size."
+            )
         docs = PackedDocumentDataset(dataset, self.pad_multiple or 2 * world)
         sampler: DistributedSampler[Any] = DistributedSampler(
             docs, num_replicas=world // cp, rank=rank // cp, shuffle=True, seed=self.config.seed, drop_last=True
         )
-        loader = DataLoader(docs, batch_size=self.config.batch_size, sampler=sampler, drop_last=True,
-                            collate_fn=_as_list, num_workers=self.config.num_workers)
+        loader = DataLoader(
+            docs,
+            batch_size=self.config.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=_as_list,
+            num_workers=self.config.num_workers,
+        )
         return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler), self.hybrid_cp)

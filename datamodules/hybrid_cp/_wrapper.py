@@ -355,8 +355,9 @@ class HybridCPDataLoaderWrapper:
                 )
             self._dp_group = getattr(pg_collection, "dp", None)
             self._cp_group = getattr(pg_collection, "cp", None)
-        self.cp_balancing_scheduler = BalancedCPScheduler(self.config.max_seqlen_per_rank, self._group,
-                                                          cost=self.config.cost)
+        self.cp_balancing_scheduler = BalancedCPScheduler(
+            self.config.max_seqlen_per_rank, self._group, cost=self.config.cost
+        )
 
     @property
     def dp_cp_group(self) -> ProcessGroup | None:
@@ -420,8 +421,9 @@ class HybridCPDataLoaderWrapper:
         samples = self.reroute_samples_to_hdp_ranks(  # step 4
             batch, global_ids_this_rank, global_id_seqlens, sample_id_groups, offsets
         )
-        return HybridCPBatch(_sub_samples(sample_id_groups, self._layout().rank, samples), sample_id_groups,
-                             seqlens_gathered)
+        return HybridCPBatch(
+            _sub_samples(sample_id_groups, self._layout().rank, samples), sample_id_groups, seqlens_gathered
+        )
 
     # ------------------------------------------------------------------------------ Megatron's documented methods
 
@@ -441,8 +443,9 @@ class HybridCPDataLoaderWrapper:
             RuntimeError: If the ranks of one data replica passed different lengths (``check_replicas``).
         """
         lay = self._layout()
-        local = [int(v) for v in (subsample_seqlens.tolist() if isinstance(subsample_seqlens, Tensor)
-                                  else subsample_seqlens)]
+        local = [
+            int(v) for v in (subsample_seqlens.tolist() if isinstance(subsample_seqlens, Tensor) else subsample_seqlens)
+        ]
         info = torch.empty(2 * lay.size, dtype=torch.int64, device=lay.device)
         mine = torch.tensor([len(local), lay.dp_rank], dtype=torch.int64, device=lay.device)
         dist.all_gather_into_tensor(info, mine, group=self._group)
@@ -561,8 +564,10 @@ class HybridCPDataLoaderWrapper:
         if "data_iterator" in state:
             loader = getattr(self.data_iterator, "load_state_dict", None)
             if not callable(loader):
-                raise ValueError("HybridCPDataLoaderWrapper: the state holds data_iterator state, but the wrapped "
-                                 "iterator has no load_state_dict.")
+                raise ValueError(
+                    "HybridCPDataLoaderWrapper: the state holds data_iterator state, but the wrapped "
+                    "iterator has no load_state_dict."
+                )
             loader(state["data_iterator"])
             self._iterator = None
 
@@ -600,8 +605,12 @@ class HybridCPDataLoaderWrapper:
         global_ids_this_rank: Tensor | Sequence[int],
         global_id_seqlens: Sequence[tuple[int, int]],
     ) -> dict[int, Mapping[str, Tensor]]:
-        ids = [int(g) for g in (global_ids_this_rank.tolist() if isinstance(global_ids_this_rank, Tensor)
-                                else global_ids_this_rank)]
+        ids = [
+            int(g)
+            for g in (
+                global_ids_this_rank.tolist() if isinstance(global_ids_this_rank, Tensor) else global_ids_this_rank
+            )
+        ]
         if len(ids) != len(batch):
             raise ValueError(
                 f"HybridCPDataLoaderWrapper.reroute_samples_to_hdp_ranks: {len(batch)} local sub-samples but "
@@ -635,8 +644,9 @@ class _Layout:
     """Where collective buffers live: CUDA for NCCL, else CPU."""
 
     @staticmethod
-    def resolve(group: ProcessGroup | None, dp_group: ProcessGroup | None, cp_group: ProcessGroup | None,
-                cp_size: int) -> _Layout:
+    def resolve(
+        group: ProcessGroup | None, dp_group: ProcessGroup | None, cp_group: ProcessGroup | None, cp_size: int
+    ) -> _Layout:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "HybridCPDataLoaderWrapper: torch.distributed is not initialised; call init_process_group (Lightning "
@@ -663,8 +673,9 @@ class _Layout:
         return layout
 
     @staticmethod
-    def _from_dp_group(group: ProcessGroup | None, dp_group: ProcessGroup, n: int, me: int, cp_size: int,
-                       device: torch.device) -> _Layout:
+    def _from_dp_group(
+        group: ProcessGroup | None, dp_group: ProcessGroup, n: int, me: int, cp_size: int, device: torch.device
+    ) -> _Layout:
         dp_size = dist.get_world_size(dp_group)
         if n % dp_size or n // dp_size != cp_size:
             raise ValueError(

@@ -14,5 +14,15 @@ from zlightning.callbacks._compression import (
 from zlightning.callbacks._memory import ZeroMemoryMonitor
 from zlightning.callbacks._pipeline import PipelineBubbleMonitor
 
-__all__ = ["ActivationQuantization", "ChannelPruning", "CompressionCallback", "HeadPruning", "LayerReduction",
-           "PipelineBubbleMonitor", "RowPruning", "SparsePruning", "WeightQuantization", "ZeroMemoryMonitor"]
+__all__ = [
+    "ActivationQuantization",
+    "ChannelPruning",
+    "CompressionCallback",
+    "HeadPruning",
+    "LayerReduction",
+    "PipelineBubbleMonitor",
+    "RowPruning",
+    "SparsePruning",
+    "WeightQuantization",
+    "ZeroMemoryMonitor",
+]

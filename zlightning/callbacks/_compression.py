@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
-import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -47,14 +47,22 @@ from zlightning.compression import (
     compression_stats,
     distillation_loss,
     init_compression,
-    redundancy_clean,
     reduce_layers,
+    redundancy_clean,
     save_compressed,
 )
 from zlightning.compression._deepspeed import parse_compression_training
 
-__all__ = ["ActivationQuantization", "ChannelPruning", "CompressionCallback", "HeadPruning", "LayerReduction",
-           "RowPruning", "SparsePruning", "WeightQuantization"]
+__all__ = [
+    "ActivationQuantization",
+    "ChannelPruning",
+    "CompressionCallback",
+    "HeadPruning",
+    "LayerReduction",
+    "RowPruning",
+    "SparsePruning",
+    "WeightQuantization",
+]
 
 Patterns = str | Sequence[str] | None
 
@@ -86,9 +94,14 @@ class CompressionCallback(Callback):
         ValueError: For an invalid config (all unknown DeepSpeed keys listed at once).
     """
 
-    def __init__(self, config: CompressionConfig | Mapping[str, Any] | str | os.PathLike[str], *,
-                 teacher_model: nn.Module | None = None, clean_at_end: bool = False,
-                 export_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: CompressionConfig | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        teacher_model: nn.Module | None = None,
+        clean_at_end: bool = False,
+        export_path: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.config = parse_compression_training(config)
         self.teacher_model = teacher_model
         self.clean_at_end = clean_at_end
@@ -104,7 +117,9 @@ class CompressionCallback(Callback):
         self._applied_to = id(pl_module)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         apply_schedule(pl_module, trainer.global_step)
 
     @override
@@ -112,8 +127,9 @@ class CompressionCallback(Callback):
         apply_schedule(pl_module, trainer.global_step)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         mine = tuple(f"compression/{t}/" for t in self.config.techniques())
         stats = {k: v for k, v in compression_stats(pl_module).items() if k.startswith(mine)}
         if stats:
@@ -140,8 +156,10 @@ class CompressionCallback(Callback):
         if self.export_path is None:
             raise AssertionError("_export without an export_path")
         self.export_report = save_compressed(pl_module, self.export_path)
-        rank_zero_info(f"compressed model saved to {self.export_path}: {self.export_report.file_bytes} bytes, "
-                       f"{self.export_report.ratio:.2f}x smaller than the uncompressed model")
+        rank_zero_info(
+            f"compressed model saved to {self.export_path}: {self.export_report.file_bytes} bytes, "
+            f"{self.export_report.ratio:.2f}x smaller than the uncompressed model"
+        )
 
 
 class WeightQuantization(CompressionCallback):
@@ -160,15 +178,33 @@ class WeightQuantization(CompressionCallback):
         clean_at_end, export_path: See `CompressionCallback`.
     """
 
-    def __init__(self, modules: Patterns = None, *, target_bits: int = 8, start_bits: int | None = None,
-                 quantization_period: int = 1, quantization_type: Literal["symmetric", "asymmetric"] = "symmetric",
-                 quantize_groups: int = 1, rounding: Literal["nearest", "stochastic"] = "nearest",
-                 schedule_offset: int = 0, clean_at_end: bool = False, export_path: str | os.PathLike[str] | None = None) -> None:
-        group = WeightQuantGroup(modules=_patterns(modules), target_bits=target_bits,
-                                 start_bits=target_bits if start_bits is None else start_bits,
-                                 quantization_period=quantization_period)
-        cfg = WeightQuantizationConfig(groups=(group,), schedule_offset=schedule_offset, rounding=rounding,
-                                       quantization_type=quantization_type, quantize_groups=quantize_groups)
+    def __init__(
+        self,
+        modules: Patterns = None,
+        *,
+        target_bits: int = 8,
+        start_bits: int | None = None,
+        quantization_period: int = 1,
+        quantization_type: Literal["symmetric", "asymmetric"] = "symmetric",
+        quantize_groups: int = 1,
+        rounding: Literal["nearest", "stochastic"] = "nearest",
+        schedule_offset: int = 0,
+        clean_at_end: bool = False,
+        export_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        group = WeightQuantGroup(
+            modules=_patterns(modules),
+            target_bits=target_bits,
+            start_bits=target_bits if start_bits is None else start_bits,
+            quantization_period=quantization_period,
+        )
+        cfg = WeightQuantizationConfig(
+            groups=(group,),
+            schedule_offset=schedule_offset,
+            rounding=rounding,
+            quantization_type=quantization_type,
+            quantize_groups=quantize_groups,
+        )
         super().__init__(CompressionConfig(weight_quantization=cfg), clean_at_end=clean_at_end, export_path=export_path)
 
 
@@ -186,14 +222,26 @@ class ActivationQuantization(CompressionCallback):
             not baked into a cleaned or exported model).
     """
 
-    def __init__(self, modules: Patterns = None, *, bits: int = 8,
-                 quantization_type: Literal["symmetric", "asymmetric"] = "symmetric",
-                 range_calibration: Literal["dynamic", "static"] = "dynamic", schedule_offset: int = 1000,
-                 clean_at_end: bool = False, export_path: str | os.PathLike[str] | None = None) -> None:
-        cfg = ActivationQuantizationConfig(groups=(ActivationQuantGroup(modules=_patterns(modules), bits=bits),),
-                                           quantization_type=quantization_type, range_calibration=range_calibration,
-                                           schedule_offset=schedule_offset)
-        super().__init__(CompressionConfig(activation_quantization=cfg), clean_at_end=clean_at_end, export_path=export_path)
+    def __init__(
+        self,
+        modules: Patterns = None,
+        *,
+        bits: int = 8,
+        quantization_type: Literal["symmetric", "asymmetric"] = "symmetric",
+        range_calibration: Literal["dynamic", "static"] = "dynamic",
+        schedule_offset: int = 1000,
+        clean_at_end: bool = False,
+        export_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        cfg = ActivationQuantizationConfig(
+            groups=(ActivationQuantGroup(modules=_patterns(modules), bits=bits),),
+            quantization_type=quantization_type,
+            range_calibration=range_calibration,
+            schedule_offset=schedule_offset,
+        )
+        super().__init__(
+            CompressionConfig(activation_quantization=cfg), clean_at_end=clean_at_end, export_path=export_path
+        )
 
 
 class SparsePruning(CompressionCallback):
@@ -208,11 +256,23 @@ class SparsePruning(CompressionCallback):
         clean_at_end, export_path: See `CompressionCallback`.
     """
 
-    def __init__(self, modules: Patterns = None, *, dense_ratio: float = 0.5, method: Literal["l1", "topk"] = "l1",
-                 schedule_offset: int = 1000, schedule_offset_end: int | None = None, clean_at_end: bool = False, export_path: str | os.PathLike[str] | None = None) -> None:
-        cfg = SparsePruningConfig(groups=(PruneGroup(name="sp1", modules=_patterns(modules), dense_ratio=dense_ratio),),
-                                  method=method, schedule_offset=schedule_offset,
-                                  schedule_offset_end=schedule_offset_end)
+    def __init__(
+        self,
+        modules: Patterns = None,
+        *,
+        dense_ratio: float = 0.5,
+        method: Literal["l1", "topk"] = "l1",
+        schedule_offset: int = 1000,
+        schedule_offset_end: int | None = None,
+        clean_at_end: bool = False,
+        export_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        cfg = SparsePruningConfig(
+            groups=(PruneGroup(name="sp1", modules=_patterns(modules), dense_ratio=dense_ratio),),
+            method=method,
+            schedule_offset=schedule_offset,
+            schedule_offset_end=schedule_offset_end,
+        )
         super().__init__(CompressionConfig(sparse_pruning=cfg), clean_at_end=clean_at_end, export_path=export_path)
 
 
@@ -229,11 +289,20 @@ class RowPruning(CompressionCallback):
         clean_at_end, export_path: See `CompressionCallback`.
     """
 
-    def __init__(self, modules: Patterns = None, *, dense_ratio: float = 0.5,
-                 related_modules: Sequence[Sequence[str]] | None = None, method: Literal["l1", "topk"] = "l1",
-                 schedule_offset: int = 1000, clean_at_end: bool = False, export_path: str | os.PathLike[str] | None = None) -> None:
-        group = PruneGroup(name="rp1", modules=_patterns(modules), dense_ratio=dense_ratio,
-                           related_modules=_related(related_modules))
+    def __init__(
+        self,
+        modules: Patterns = None,
+        *,
+        dense_ratio: float = 0.5,
+        related_modules: Sequence[Sequence[str]] | None = None,
+        method: Literal["l1", "topk"] = "l1",
+        schedule_offset: int = 1000,
+        clean_at_end: bool = False,
+        export_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        group = PruneGroup(
+            name="rp1", modules=_patterns(modules), dense_ratio=dense_ratio, related_modules=_related(related_modules)
+        )
         cfg = RowPruningConfig(groups=(group,), method=method, schedule_offset=schedule_offset)
         super().__init__(CompressionConfig(row_pruning=cfg), clean_at_end=clean_at_end, export_path=export_path)
 
@@ -253,11 +322,21 @@ class HeadPruning(CompressionCallback):
         clean_at_end, export_path: See `CompressionCallback`.
     """
 
-    def __init__(self, modules: Patterns = None, *, dense_ratio: float = 0.5,
-                 related_modules: Sequence[Sequence[str]] | None = None, method: Literal["l1", "topk"] = "topk",
-                 num_heads: int | None = None, schedule_offset: int = 1000, clean_at_end: bool = False, export_path: str | os.PathLike[str] | None = None) -> None:
-        group = PruneGroup(name="hp1", modules=_patterns(modules), dense_ratio=dense_ratio,
-                           related_modules=_related(related_modules))
+    def __init__(
+        self,
+        modules: Patterns = None,
+        *,
+        dense_ratio: float = 0.5,
+        related_modules: Sequence[Sequence[str]] | None = None,
+        method: Literal["l1", "topk"] = "topk",
+        num_heads: int | None = None,
+        schedule_offset: int = 1000,
+        clean_at_end: bool = False,
+        export_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        group = PruneGroup(
+            name="hp1", modules=_patterns(modules), dense_ratio=dense_ratio, related_modules=_related(related_modules)
+        )
         cfg = HeadPruningConfig(groups=(group,), method=method, num_heads=num_heads, schedule_offset=schedule_offset)
         super().__init__(CompressionConfig(head_pruning=cfg), clean_at_end=clean_at_end, export_path=export_path)
 
@@ -275,11 +354,20 @@ class ChannelPruning(CompressionCallback):
         clean_at_end, export_path: See `CompressionCallback`.
     """
 
-    def __init__(self, modules: Patterns = None, *, dense_ratio: float = 0.5,
-                 related_modules: Sequence[Sequence[str]] | None = None, method: Literal["l1", "topk"] = "l1",
-                 schedule_offset: int = 1000, clean_at_end: bool = False, export_path: str | os.PathLike[str] | None = None) -> None:
-        group = PruneGroup(name="cp1", modules=_patterns(modules), dense_ratio=dense_ratio,
-                           related_modules=_related(related_modules))
+    def __init__(
+        self,
+        modules: Patterns = None,
+        *,
+        dense_ratio: float = 0.5,
+        related_modules: Sequence[Sequence[str]] | None = None,
+        method: Literal["l1", "topk"] = "l1",
+        schedule_offset: int = 1000,
+        clean_at_end: bool = False,
+        export_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        group = PruneGroup(
+            name="cp1", modules=_patterns(modules), dense_ratio=dense_ratio, related_modules=_related(related_modules)
+        )
         cfg = ChannelPruningConfig(groups=(group,), method=method, schedule_offset=schedule_offset)
         super().__init__(CompressionConfig(channel_pruning=cfg), clean_at_end=clean_at_end, export_path=export_path)
 
@@ -305,17 +393,30 @@ class LayerReduction(Callback):
             if it is a tuple/list, e.g. ``(logits, loss)``).
     """
 
-    def __init__(self, teacher_model: nn.Module, *, module_name_prefix: str, teacher_layer: Sequence[int],
-                 other_module_name: Sequence[str] = (), distillation_weight: float = 0.0, temperature: float = 1.0,
-                 teacher_output: Callable[[Any], Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        teacher_model: nn.Module,
+        *,
+        module_name_prefix: str,
+        teacher_layer: Sequence[int],
+        other_module_name: Sequence[str] = (),
+        distillation_weight: float = 0.0,
+        temperature: float = 1.0,
+        teacher_output: Callable[[Any], Tensor] | None = None,
+    ) -> None:
         if not isinstance(teacher_model, nn.Module):
             raise ValueError(f"LayerReduction: teacher_model must be an nn.Module, got {type(teacher_model).__name__}.")
         if not distillation_weight >= 0 or not temperature > 0:
-            raise ValueError(f"LayerReduction: distillation_weight must be >= 0 and temperature > 0, got "
-                             f"{distillation_weight!r} and {temperature!r}.")
+            raise ValueError(
+                f"LayerReduction: distillation_weight must be >= 0 and temperature > 0, got "
+                f"{distillation_weight!r} and {temperature!r}."
+            )
         self.teacher_model = teacher_model
-        self.config = LayerReductionConfig(module_name_prefix=module_name_prefix, teacher_layer=tuple(teacher_layer),
-                                           other_module_name=tuple(other_module_name))
+        self.config = LayerReductionConfig(
+            module_name_prefix=module_name_prefix,
+            teacher_layer=tuple(teacher_layer),
+            other_module_name=tuple(other_module_name),
+        )
         self.distillation_weight = float(distillation_weight)
         self.temperature = float(temperature)
         self.teacher_output = teacher_output

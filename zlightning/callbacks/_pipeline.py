@@ -48,7 +48,9 @@ class PipelineBubbleMonitor(Callback):
         return strategy.engine if isinstance(strategy, PipelineStrategy) else None
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         engine = self._engine(trainer)
         if engine is None or batch_idx % self.every_n_batches:
             return
@@ -56,8 +58,9 @@ class PipelineBubbleMonitor(Callback):
         self._start = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         engine = self._engine(trainer)
         if engine is None or self._start is None or engine.timings is None:
             return
@@ -68,6 +71,8 @@ class PipelineBubbleMonitor(Callback):
             self._simulated = {key: timeline(engine.train_schedule).bubble_fraction}
         busy = sum(end - begin for _, begin, end in spans)
         wall = max((end for _, _, end in spans), default=start) - start
-        self.last = {"pipeline/bubble_simulated": self._simulated[key],
-                     "pipeline/idle_fraction": 1.0 - busy / wall if wall > 0 else 0.0}
+        self.last = {
+            "pipeline/bubble_simulated": self._simulated[key],
+            "pipeline/idle_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
+        }
         pl_module.log_dict(self.last, on_step=True, on_epoch=False, rank_zero_only=True)

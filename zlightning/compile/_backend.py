@@ -26,8 +26,13 @@ class CompileStats:
     """Per graph, nodes moved/removed by each pass."""
 
 
-def backend_fn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: CompileConfig | None = None,
-               stats: CompileStats | None = None) -> Callable[..., Any]:
+def backend_fn(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    config: CompileConfig | None = None,
+    stats: CompileStats | None = None,
+) -> Callable[..., Any]:
     """A ``torch.compile`` backend: runs the enabled zlightning passes on the Dynamo graph, then compiles it.
 
     Use ``torch.compile(fn, backend=backend_fn)`` for the defaults, or ``make_backend(config)`` for other knobs.

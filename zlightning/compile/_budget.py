@@ -84,12 +84,16 @@ def profile_gathers(state: object, specs: Sequence[GroupSpec], repeats: int = 3)
     if state.world_size > 1:  # type: ignore[attr-defined]
         t = t.to(state.device)  # type: ignore[attr-defined]
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    return [GroupProfile(s.index, s.unit, s.unsharded_bytes, float(x))
-            for s, x in zip(specs, t.cpu().tolist()) if s.kind == "unit"]
+    return [
+        GroupProfile(s.index, s.unit, s.unsharded_bytes, float(x))
+        for s, x in zip(specs, t.cpu().tolist())
+        if s.kind == "unit"
+    ]
 
 
-def plan_unshard(specs: Sequence[GroupSpec], profile: Sequence[GroupProfile],
-                 budget: int | float | None) -> UnshardPlan:
+def plan_unshard(
+    specs: Sequence[GroupSpec], profile: Sequence[GroupProfile], budget: int | float | None
+) -> UnshardPlan:
     """Greedy by measured seconds saved per byte, within the budget (deterministic: ties by group index)."""
     cap = budget_bytes(specs, budget)
     ranked = sorted(profile, key=lambda p: (-(p.gather_s / max(p.gathered_bytes, 1)), p.index))
@@ -100,4 +104,3 @@ def plan_unshard(specs: Sequence[GroupSpec], profile: Sequence[GroupProfile],
             used += p.gathered_bytes
             saved += p.gather_s
     return UnshardPlan(cap, tuple(sorted(kept)), used, saved, tuple(profile))
-

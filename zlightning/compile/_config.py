@@ -59,7 +59,10 @@ class CompileConfig:
         if self.prefetch_depth < 0:
             raise ValueError(f"CompileConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")
         b = self.unshard_budget
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0
-                              or (isinstance(b, float) and b > 1.0)):
-            raise ValueError(f"CompileConfig.unshard_budget must be bytes (int >= 0), a fraction (float in [0, 1]) or "
-                             f"None, got {b!r}")
+        if b is not None and (
+            isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 or (isinstance(b, float) and b > 1.0)
+        ):
+            raise ValueError(
+                f"CompileConfig.unshard_budget must be bytes (int >= 0), a fraction (float in [0, 1]) or "
+                f"None, got {b!r}"
+            )

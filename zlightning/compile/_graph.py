@@ -54,17 +54,42 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zlightning.compile._config import CompileConfig
 from zlightning.compile._passes import late_wait
 
-__all__ = ["GraphStats", "GroupSpec", "RecomputeGathers", "ZeroGraphForward", "defer_reduce_waits", "group_specs",
-           "make_graph_backend", "ordered_groups", "place_gathers", "prefetch_gathers", "saved_gather_bytes"]
+__all__ = [
+    "GraphStats",
+    "GroupSpec",
+    "RecomputeGathers",
+    "ZeroGraphForward",
+    "defer_reduce_waits",
+    "group_specs",
+    "make_graph_backend",
+    "ordered_groups",
+    "place_gathers",
+    "prefetch_gathers",
+    "saved_gather_bytes",
+]
 
 _C10D = torch.ops._c10d_functional
 _AG = _C10D.all_gather_into_tensor.default
 _WAIT = _C10D.wait_tensor.default
 _RS = _C10D.reduce_scatter_tensor.default
 _A = torch.ops.aten
-_VIEWS = {_A.view.default, _A._unsafe_view.default, _A.slice.Tensor, _A.t.default, _A.permute.default,
-          _A.transpose.int, _A.alias.default, _A.as_strided.default, _A.expand.default, _A.reshape.default,
-          _A.unsqueeze.default, _A.squeeze.dim, _A.squeeze.default, _A.select.int, _A.narrow.default}
+_VIEWS = {
+    _A.view.default,
+    _A._unsafe_view.default,
+    _A.slice.Tensor,
+    _A.t.default,
+    _A.permute.default,
+    _A.transpose.int,
+    _A.alias.default,
+    _A.as_strided.default,
+    _A.expand.default,
+    _A.reshape.default,
+    _A.unsqueeze.default,
+    _A.squeeze.dim,
+    _A.squeeze.default,
+    _A.select.int,
+    _A.narrow.default,
+}
 
 
 @dataclass(frozen=True)
@@ -101,16 +126,27 @@ def group_specs(state: Any) -> list[GroupSpec]:
         start = g.rank * g.shard_numel
         covered = max(min(g.numel, start + g.shard_numel), start) - start
         kind = "root" if id(g) in root else "persistent" if id(g) in persistent else "unit"
-        specs.append(GroupSpec(
-            index=len(specs), kind=kind, unit=unit_of.get(id(g), "<persistent>"), world=g.world, group_name=name,
-            pad=g.shard_numel - covered, param_dtype=g.param_dtype, reduce_dtype=state.reduce_dtype,
-            master_dtype=g.master_dtype, unsharded_bytes=g.unsharded_bytes,
-            views=tuple((p.offset, p.numel, tuple(p.shape), tuple(p.fqns)) for p in g.params)))
+        specs.append(
+            GroupSpec(
+                index=len(specs),
+                kind=kind,
+                unit=unit_of.get(id(g), "<persistent>"),
+                world=g.world,
+                group_name=name,
+                pad=g.shard_numel - covered,
+                param_dtype=g.param_dtype,
+                reduce_dtype=state.reduce_dtype,
+                master_dtype=g.master_dtype,
+                unsharded_bytes=g.unsharded_bytes,
+                views=tuple((p.offset, p.numel, tuple(p.shape), tuple(p.fqns)) for p in g.params),
+            )
+        )
     return specs
 
 
-def _gather(world: int, group_name: str, pad: int, param_dtype: torch.dtype,
-            pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+def _gather(
+    world: int, group_name: str, pad: int, param_dtype: torch.dtype, pieces: Sequence[torch.Tensor]
+) -> torch.Tensor:
     """This rank's flat shard (pieces + zero padding, in the compute dtype), all-gathered into the full flat group."""
     parts = list(pieces) + ([pieces[0].new_zeros(pad)] if pad else [])
     shard = torch.cat(parts).to(param_dtype)
@@ -121,8 +157,15 @@ class _GatherGroup(torch.autograd.Function):
     """Pieces -> full flat group (all-gather); backward: reduce-scatter, average, split back into piece gradients."""
 
     @staticmethod
-    def forward(ctx: Any, world: int, group_name: str, pad: int, param_dtype: torch.dtype,
-                reduce_dtype: torch.dtype, *pieces: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        world: int,
+        group_name: str,
+        pad: int,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        *pieces: torch.Tensor,
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.sizes = [p.numel() for p in pieces]
         ctx.world, ctx.group_name, ctx.reduce_dtype = world, group_name, reduce_dtype
         ctx.master_dtype = pieces[0].dtype
@@ -261,13 +304,17 @@ class RecomputeGathers:
     def __call__(self, graph: fx.Graph) -> None:
         pairs = [(ag, w) for ag, w in _gathers(graph) if not _is_backward_node(ag)]
         if len(pairs) != len(self.specs):
-            raise RuntimeError(f"zlightning graph mode: expected {len(self.specs)} forward all-gathers in the joint "
-                               f"graph, found {len(pairs)}; the model's forward must not issue its own all-gathers")
+            raise RuntimeError(
+                f"zlightning graph mode: expected {len(self.specs)} forward all-gathers in the joint "
+                f"graph, found {len(pairs)}; the model's forward must not issue its own all-gathers"
+            )
         for spec, (ag, wait) in zip(self.specs, pairs):
             val = wait.meta.get("val") if wait is not None else None
             if val is not None and val.numel() * val.element_size() != spec.unsharded_bytes:
-                raise RuntimeError(f"zlightning graph mode: gather {spec.index} has {val.numel()} elements, expected "
-                                   f"{spec.unsharded_bytes // max(val.element_size(), 1)}")
+                raise RuntimeError(
+                    f"zlightning graph mode: gather {spec.index} has {val.numel()} elements, expected "
+                    f"{spec.unsharded_bytes // max(val.element_size(), 1)}"
+                )
             save = spec.kind != "unit" or spec.index in self.keep
             policy = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
             for n in (ag, wait):
@@ -310,8 +357,13 @@ class GraphStats:
     moved: list[dict[str, int]] = field(default_factory=list)
 
 
-def make_graph_backend(config: CompileConfig, specs: Sequence[GroupSpec], keep: frozenset[int],
-                       stats: GraphStats, compile_stats: Any = None) -> Callable[..., Any]:
+def make_graph_backend(
+    config: CompileConfig,
+    specs: Sequence[GroupSpec],
+    keep: frozenset[int],
+    stats: GraphStats,
+    compile_stats: Any = None,
+) -> Callable[..., Any]:
     """The Dynamo backend of graph mode: AOT autograd with `RecomputeGathers`, placement passes, then the compiler."""
     tagger = RecomputeGathers(specs, keep)
 
@@ -381,8 +433,9 @@ class ZeroGraphForward:
     parameters would be the 1-D shard pieces).
     """
 
-    def __init__(self, state: Any, specs: Sequence[GroupSpec], backend: Callable[..., Any],
-                 dynamic: bool | None) -> None:
+    def __init__(
+        self, state: Any, specs: Sequence[GroupSpec], backend: Callable[..., Any], dynamic: bool | None
+    ) -> None:
         self.prefix, self.target = graph_target(state.root)
         self.specs = list(specs)
         self._groups = ordered_groups(state)
@@ -390,14 +443,17 @@ class ZeroGraphForward:
         self._names = [tuple((o, n, sh, tuple(f[cut:] for f in fq)) for o, n, sh, fq in s.views) for s in specs]
         outside = [f for s in specs for *_, fq in s.views for f in fq if not f.startswith(self.prefix)]
         if outside:
-            raise ValueError(f"zlightning graph mode: parameters {outside[:3]} live outside {self.prefix[:-1]!r}, the "
-                             "module the compiled step calls; use CompileConfig(mode='unit')")
+            raise ValueError(
+                f"zlightning graph mode: parameters {outside[:3]} live outside {self.prefix[:-1]!r}, the "
+                "module the compiled step calls; use CompileConfig(mode='unit')"
+            )
         self._forward = type(self.target).forward.__get__(self.target)  # the class's forward, not this wrapper
         self.compiled = torch.compile(self._step, backend=backend, dynamic=dynamic)
         self.active = False
         inside = {id(m) for m in self.target.modules() if m is not self.target}
-        self._guards = [u.module.register_forward_pre_hook(self._guard) for u in state.units[1:]
-                        if id(u.module) in inside]
+        self._guards = [
+            u.module.register_forward_pre_hook(self._guard) for u in state.units[1:] if id(u.module) in inside
+        ]
         self.target.forward = self  # type: ignore[method-assign]
 
     def _guard(self, module: nn.Module, args: Any) -> None:
@@ -405,7 +461,8 @@ class ZeroGraphForward:
             raise RuntimeError(
                 f"zlightning graph mode compiled {type(self.target).__name__}.forward ({self.prefix[:-1] or 'the root'}"
                 f"), but {type(module).__name__} was called outside it, where its parameters are shards. Call the "
-                "compiled module in the step, or compile with CompileConfig(mode='unit')")
+                "compiled module in the step, or compile with CompileConfig(mode='unit')"
+            )
 
     def remove(self) -> None:
         """Back to the eager forward (the engine's hooks are the caller's to resume)."""
@@ -419,8 +476,9 @@ class ZeroGraphForward:
         grad = torch.is_grad_enabled()  # a constant while tracing (Dynamo guards on the grad mode)
         for spec, names, ps in zip(self.specs, self._names, pieces):
             if grad:
-                full = _GatherGroup.apply(spec.world, spec.group_name, spec.pad, spec.param_dtype, spec.reduce_dtype,
-                                          *ps)
+                full = _GatherGroup.apply(
+                    spec.world, spec.group_name, spec.pad, spec.param_dtype, spec.reduce_dtype, *ps
+                )
             else:
                 full = _gather(spec.world, spec.group_name, spec.pad, spec.param_dtype, ps)
             for offset, numel, shape, fqns in names:

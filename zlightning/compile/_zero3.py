@@ -139,8 +139,9 @@ class _CompiledUnitForward:
 
     def __init__(self, module: nn.Module, compiled: Callable[..., Any], hook_ids: set[int]) -> None:
         self.compiled = compiled
-        self.hooks = [(m, k) for m in module.modules() if m is not module for k in m._forward_pre_hooks
-                      if k in hook_ids]
+        self.hooks = [
+            (m, k) for m in module.modules() if m is not module for k in m._forward_pre_hooks if k in hook_ids
+        ]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         saved = {id(m): (m, dict(m._forward_pre_hooks)) for m, _ in self.hooks}  # restored in the same order

@@ -14,7 +14,13 @@ config (DeepSpeed removed the library in 0.19.8). Typical use without Lightning:
 The Lightning callbacks in ``zlightning.callbacks`` drive the same functions from ``trainer.global_step``.
 """
 
-from zlightning.compression._api import apply_schedule, compression_stats, init_compression, redundancy_clean, reduce_layers
+from zlightning.compression._api import (
+    apply_schedule,
+    compression_stats,
+    init_compression,
+    reduce_layers,
+    redundancy_clean,
+)
 from zlightning.compression._config import (
     ActivationQuantGroup,
     ActivationQuantizationConfig,
@@ -31,7 +37,13 @@ from zlightning.compression._config import (
 from zlightning.compression._deepspeed import UnknownCompressionKeysError
 from zlightning.compression._distill import distillation_loss
 from zlightning.compression._export import ExportReport, load_compressed, save_compressed
-from zlightning.compression._quantize import QuantizedWeight, dequantize_weight, fake_quantize, quantize_weight, scheduled_bits
+from zlightning.compression._quantize import (
+    QuantizedWeight,
+    dequantize_weight,
+    fake_quantize,
+    quantize_weight,
+    scheduled_bits,
+)
 
 __all__ = [
     "ActivationQuantGroup",
@@ -73,7 +85,11 @@ def __getattr__(name: str) -> object:
         import warnings
 
         new = _RENAMED[name]
-        warnings.warn(f"zlightning.compression.{name} is now {new} (zlightning.kernels.{name} is the native kernel, "
-                      "by group size)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"zlightning.compression.{name} is now {new} (zlightning.kernels.{name} is the native kernel, "
+            "by group size)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return globals()[new]
     raise AttributeError(f"module 'zlightning.compression' has no attribute {name!r}")

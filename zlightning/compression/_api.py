@@ -41,8 +41,15 @@ from zlightning.compression._parallel import SplitKind, TensorParallel, check_gr
 from zlightning.compression._select import pair_related, select_modules
 from zlightning.compression._techniques import ActivationQuantizer, Mask, ScheduledTechnique, WeightQuantizer
 
-__all__ = ["HEAD_COUNT_ATTRS", "StructureEdit", "apply_schedule", "compression_stats", "init_compression",
-           "redundancy_clean", "reduce_layers"]
+__all__ = [
+    "HEAD_COUNT_ATTRS",
+    "StructureEdit",
+    "apply_schedule",
+    "compression_stats",
+    "init_compression",
+    "redundancy_clean",
+    "reduce_layers",
+]
 
 HEAD_COUNT_ATTRS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
 """Attributes of an attention module read as its head count and updated when heads are removed."""
@@ -80,7 +87,9 @@ def _num_heads(root: nn.Module, name: str, cfg: HeadPruningConfig, in_features: 
     if split and not cfg.num_heads and isinstance(local, int):
         heads: int | None = local
     else:
-        heads = cfg.num_heads or next((getattr(parent, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(parent, a, None), int)), None)
+        heads = cfg.num_heads or next(
+            (getattr(parent, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(parent, a, None), int)), None
+        )
         if heads is not None and split and tp is not None:
             heads = tp.local_heads(heads, name)
     if heads is None:
@@ -93,8 +102,17 @@ def _num_heads(root: nn.Module, name: str, cfg: HeadPruningConfig, in_features: 
     return heads
 
 
-def _build(root: nn.Module, technique: str, cfg: object, group: object, name: str, index: int | None,
-           module: nn.Module, wq_groups: dict[int, int], tp: TensorParallel | None) -> ScheduledTechnique:
+def _build(
+    root: nn.Module,
+    technique: str,
+    cfg: object,
+    group: object,
+    name: str,
+    index: int | None,
+    module: nn.Module,
+    wq_groups: dict[int, int],
+    tp: TensorParallel | None,
+) -> ScheduledTechnique:
     offset = cfg.schedule_offset  # type: ignore[attr-defined]
     if technique == "weight_quantization":
         groups = module.weight.shape[0] if isinstance(module, nn.Embedding) else cfg.quantize_groups  # type: ignore[attr-defined]
@@ -104,25 +122,52 @@ def _build(root: nn.Module, technique: str, cfg: object, group: object, name: st
                 f"weight_quantization: quantize_groups={groups} must divide the {module.weight.shape[0]} rows of "
                 f"{name!r} (groups are bands of rows)."
             )
-        return WeightQuantizer(schedule_offset=offset, start_bits=group.start_bits, target_bits=group.target_bits,  # type: ignore[attr-defined]
-                               period=group.quantization_period, scheme=cfg.quantization_type,  # type: ignore[attr-defined]
-                               num_groups=groups, stochastic=cfg.rounding == "stochastic")  # type: ignore[attr-defined]
+        return WeightQuantizer(
+            schedule_offset=offset,
+            start_bits=group.start_bits,
+            target_bits=group.target_bits,  # type: ignore[attr-defined]
+            period=group.quantization_period,
+            scheme=cfg.quantization_type,  # type: ignore[attr-defined]
+            num_groups=groups,
+            stochastic=cfg.rounding == "stochastic",
+        )  # type: ignore[attr-defined]
     if technique == "activation_quantization":
-        return ActivationQuantizer(schedule_offset=offset, bits=group.bits, scheme=cfg.quantization_type,  # type: ignore[attr-defined]
-                                   calibration=cfg.range_calibration, per_sample=isinstance(module, nn.Conv2d))  # type: ignore[attr-defined]
+        return ActivationQuantizer(
+            schedule_offset=offset,
+            bits=group.bits,
+            scheme=cfg.quantization_type,  # type: ignore[attr-defined]
+            calibration=cfg.range_calibration,
+            per_sample=isinstance(module, nn.Conv2d),
+        )  # type: ignore[attr-defined]
     kind = technique.removesuffix("_pruning")
     related: tuple[str, ...] = ()
     if kind != "sparse" and group.related_modules is not None and index is not None:  # type: ignore[attr-defined]
-        related = pair_related(root, name, group.related_modules[index], technique,  # type: ignore[attr-defined]
-                               () if tp is None else tp.split_types)
+        related = pair_related(
+            root,
+            name,
+            group.related_modules[index],
+            technique,  # type: ignore[attr-defined]
+            () if tp is None else tp.split_types,
+        )
     heads = _num_heads(root, name, cfg, module.weight.shape[1], tp) if kind == "head" else 1  # type: ignore[arg-type]
-    return Mask(kind=kind, method=cfg.method, dense_ratio=float(group.dense_ratio), schedule_offset=offset,  # type: ignore[attr-defined, arg-type]
-                weight=module.weight, num_heads=heads, freeze_after=getattr(cfg, "schedule_offset_end", None),
-                related=related)
+    return Mask(
+        kind=kind,
+        method=cfg.method,
+        dense_ratio=float(group.dense_ratio),
+        schedule_offset=offset,  # type: ignore[attr-defined, arg-type]
+        weight=module.weight,
+        num_heads=heads,
+        freeze_after=getattr(cfg, "schedule_offset_end", None),
+        related=related,
+    )
 
 
-def init_compression(model: nn.Module, deepspeed_config: CompressionConfig | dict | str,
-                     teacher_model: nn.Module | None = None, mpu: Any = None) -> nn.Module:
+def init_compression(
+    model: nn.Module,
+    deepspeed_config: CompressionConfig | dict | str,
+    teacher_model: nn.Module | None = None,
+    mpu: Any = None,
+) -> nn.Module:
     """Prepares ``model`` for compression-aware training (in place) and returns it (DeepSpeed's signature; see
     [Note: DeepSpeed's call shapes]).
 
@@ -167,15 +212,19 @@ def init_compression(model: nn.Module, deepspeed_config: CompressionConfig | dic
             if tp is not None:
                 tp.check(technique, sel.name, module)
             if getattr(module, technique, None) is not None:
-                raise ValueError(f"{technique}: module {sel.name!r} already has {technique} (from an earlier "
-                                 "init_compression call or another callback); select it once.")
+                raise ValueError(
+                    f"{technique}: module {sel.name!r} already has {technique} (from an earlier "
+                    "init_compression call or another callback); select it once."
+                )
             if sel.name == "":
                 raise ValueError("cannot compress the root module itself; wrap it in a container module.")
             built = _build(root, technique, tcfg, sel.group, sel.name, sel.pattern_index, module, wq_groups, tp)
             for rel in getattr(built, "related", ()):
                 if rel in claimed:
-                    raise ValueError(f"{technique}: related module {rel!r} is paired with both {claimed[rel]!r} and "
-                                     f"{sel.name!r}; make the related_modules regexes select one per module.")
+                    raise ValueError(
+                        f"{technique}: related module {rel!r} is paired with both {claimed[rel]!r} and "
+                        f"{sel.name!r}; make the related_modules regexes select one per module."
+                    )
                 claimed[rel] = sel.name
             plans.append((technique, sel.name, module, built))
     for technique, name, module, built in plans:  # all validated: now change the model
@@ -238,8 +287,10 @@ def _bake(root: nn.Module) -> list[tuple[str, nn.Module]]:
                     continue
                 prev = baked.get(id(param))
                 if prev is not None and not torch.equal(prev[2], value):
-                    raise ValueError(f"redundancy_clean: {name}.{pname} is shared with {prev[0]} but the two layers "
-                                     "compress it differently; compress tied weights identically.")
+                    raise ValueError(
+                        f"redundancy_clean: {name}.{pname} is shared with {prev[0]} but the two layers "
+                        "compress it differently; compress tied weights identically."
+                    )
                 baked[id(param)] = (f"{name}.{pname}", param, value.detach().clone())
         for _, param, value in baked.values():
             param.data = value.to(param.dtype)
@@ -256,8 +307,12 @@ def _slice(module: nn.Module, dim: int, index: Tensor, names: tuple[str, ...] = 
             setattr(module, pname, nn.Parameter(new, requires_grad=t.requires_grad))
         else:
             setattr(module, pname, new)
-    attr = {(nn.Linear, 0): "out_features", (nn.Linear, 1): "in_features", (nn.Conv2d, 0): "out_channels",
-            (nn.Conv2d, 1): "in_channels"}
+    attr = {
+        (nn.Linear, 0): "out_features",
+        (nn.Linear, 1): "in_features",
+        (nn.Conv2d, 0): "out_channels",
+        (nn.Conv2d, 1): "in_channels",
+    }
     for (kind, d), name in attr.items():
         if isinstance(module, kind) and d == dim:
             setattr(module, name, int(index.numel()))
@@ -286,8 +341,10 @@ def _remove_rows(root: nn.Module, name: str, mask: Mask, edits: list[StructureEd
             edits.append(StructureEdit(rel, 0, keep))
             continue
         if module.weight.shape[1] != mask.mask.numel():
-            raise ValueError(f"{mask.technique}: related module {rel!r} has {module.weight.shape[1]} inputs but "
-                             f"{name!r} has {mask.mask.numel()} outputs; fix the related_modules regex.")
+            raise ValueError(
+                f"{mask.technique}: related module {rel!r} has {module.weight.shape[1]} inputs but "
+                f"{name!r} has {mask.mask.numel()} outputs; fix the related_modules regex."
+            )
         _slice_split(root, rel, 1, keep, splits)
         edits.append(StructureEdit(rel, 1, keep))
 
@@ -297,13 +354,17 @@ def _head_rows(rel: str, out: int, width: int, cols: Tensor, heads: Tensor, mask
     each ``width`` rows), or head by head for a split layer (Megatron's ``[head][q, k, v][dim]``)."""
     if split:
         if out % mask.num_heads != 0:
-            raise ValueError(f"head_pruning: related split layer {rel!r} has {out} local outputs, not a multiple of "
-                             f"its {mask.num_heads} local heads.")
+            raise ValueError(
+                f"head_pruning: related split layer {rel!r} has {out} local outputs, not a multiple of "
+                f"its {mask.num_heads} local heads."
+            )
         per_head = out // mask.num_heads
         return (heads[:, None] * per_head + torch.arange(per_head)).flatten()
     if out % width != 0:
-        raise ValueError(f"head_pruning: related module {rel!r} has {out} outputs, not a multiple of the "
-                         f"{width} inputs of the output projection; it must be Q, K, V or a fused QKV projection.")
+        raise ValueError(
+            f"head_pruning: related module {rel!r} has {out} outputs, not a multiple of the "
+            f"{width} inputs of the output projection; it must be Q, K, V or a fused QKV projection."
+        )
     return torch.cat([chunk * width + cols for chunk in range(out // width)])
 
 
@@ -317,7 +378,9 @@ def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureE
     edits.append(StructureEdit(name, 1, cols))
     for rel in mask.related:
         module = root.get_submodule(rel)
-        rows = _head_rows(rel, module.weight.shape[0], width, cols, heads, mask, splits.get(rel, (None, 1))[0] is not None)
+        rows = _head_rows(
+            rel, module.weight.shape[0], width, cols, heads, mask, splits.get(rel, (None, 1))[0] is not None
+        )
         _slice_split(root, rel, 0, rows, splits)
         edits.append(StructureEdit(rel, 0, rows))
     parents = {id(p): p for p in [_parent(root, name), *(_parent(root, r) for r in mask.related)]}
@@ -331,17 +394,24 @@ def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureE
                 updated = True
         if isinstance(getattr(parent, "all_head_size", None), int):
             parent.all_head_size = kept * world * head_dim
-        for attr, value in (("num_attention_heads_per_partition", kept), ("hidden_size_per_partition", kept * head_dim)):
+        for attr, value in (
+            ("num_attention_heads_per_partition", kept),
+            ("hidden_size_per_partition", kept * head_dim),
+        ):
             if isinstance(getattr(parent, attr, None), int):
                 setattr(parent, attr, value)
                 updated = True
     if not updated:
-        warnings.warn(f"head_pruning: removed heads of {name!r} but found no head-count attribute "
-                      f"({list(HEAD_COUNT_ATTRS)}) on its parent; update the attention module yourself.", stacklevel=3)
+        warnings.warn(
+            f"head_pruning: removed heads of {name!r} but found no head-count attribute "
+            f"({list(HEAD_COUNT_ATTRS)}) on its parent; update the attention module yourself.",
+            stacklevel=3,
+        )
 
 
-def redundancy_clean(model: nn.Module, deepspeed_config: CompressionConfig | dict | str | None = None,
-                     mpu: Any = None) -> nn.Module:
+def redundancy_clean(
+    model: nn.Module, deepspeed_config: CompressionConfig | dict | str | None = None, mpu: Any = None
+) -> nn.Module:
     """Bakes compression into plain layers and physically removes pruned units; see [Note: redundancy_clean keeps
     outputs]. DeepSpeed's signature (see [Note: DeepSpeed's call shapes]).
 
@@ -368,16 +438,19 @@ def _splits(compressed: list[tuple[str, nn.Module]], tp: TensorParallel | None) 
     for name, m in compressed:
         if isinstance(m, CompressedParallelLinear):
             if tp is not None and tp.world_size != m.tp_world_size:
-                raise ValueError(f"redundancy_clean: {name!r} was compressed over {m.tp_world_size} model-parallel "
-                                 f"ranks but mpu reports {tp.world_size}; pass the mpu used with init_compression.")
+                raise ValueError(
+                    f"redundancy_clean: {name!r} was compressed over {m.tp_world_size} model-parallel "
+                    f"ranks but mpu reports {tp.world_size}; pass the mpu used with init_compression."
+                )
             out[name] = (m.tp_kind, m.tp_world_size)
             for rel, kind in getattr(m, "tp_related", {}).items():
                 out[rel] = (kind, m.tp_world_size)
     return out
 
 
-def _clean(model: nn.Module, config: CompressionConfig | dict | str | None,
-           mpu: Any = None) -> tuple[nn.Module, list[StructureEdit]]:
+def _clean(
+    model: nn.Module, config: CompressionConfig | dict | str | None, mpu: Any = None
+) -> tuple[nn.Module, list[StructureEdit]]:
     root = _root(model)
     tp = TensorParallel.from_mpu(mpu)
     if config is not None:
@@ -386,8 +459,12 @@ def _clean(model: nn.Module, config: CompressionConfig | dict | str | None,
             select_modules(root, technique, tcfg.groups, () if tp is None else tp.split_types)  # type: ignore[attr-defined]
     compressed = _bake(root)
     splits = _splits(compressed, tp)
-    structural = [(n, t) for n, m in compressed for t in m.techniques().values()
-                  if isinstance(t, Mask) and t.kind != "sparse" and t.active and t.related]
+    structural = [
+        (n, t)
+        for n, m in compressed
+        for t in m.techniques().values()
+        if isinstance(t, Mask) and t.kind != "sparse" and t.active and t.related
+    ]
     for name, m in compressed:
         _replace(root, m, plain_twin(m))
     edits: list[StructureEdit] = []
@@ -403,9 +480,11 @@ def _named(model: nn.Module, name: str, role: str) -> nn.Module:
     try:
         return model.get_submodule(name)
     except AttributeError as err:
-        raise ValueError(f"layer_reduction: the {role} ({type(model).__name__}) has no module {name!r} ({err}); "
-                         "student and teacher must use the same module names (e.g. both LightningModules, or both "
-                         "plain models).") from err
+        raise ValueError(
+            f"layer_reduction: the {role} ({type(model).__name__}) has no module {name!r} ({err}); "
+            "student and teacher must use the same module names (e.g. both LightningModules, or both "
+            "plain models)."
+        ) from err
 
 
 def reduce_layers(student: nn.Module, teacher: nn.Module, config: LayerReductionConfig) -> None:
@@ -419,9 +498,11 @@ def reduce_layers(student: nn.Module, teacher: nn.Module, config: LayerReduction
     s_layers = _named(student, config.module_name_prefix, "student")
     t_layers = _named(teacher, config.module_name_prefix, "teacher")
     if len(s_layers) != len(config.teacher_layer):  # type: ignore[arg-type]
-        raise ValueError(f"layer_reduction: the student has {len(s_layers)} layers under "  # type: ignore[arg-type]
-                         f"{config.module_name_prefix!r} but teacher_layer lists {len(config.teacher_layer)}; build the "
-                         "student with keep_number_layer layers.")
+        raise ValueError(
+            f"layer_reduction: the student has {len(s_layers)} layers under "  # type: ignore[arg-type]
+            f"{config.module_name_prefix!r} but teacher_layer lists {len(config.teacher_layer)}; build the "
+            "student with keep_number_layer layers."
+        )
     pairs = [(s_layers[i], t_layers[t], f"{config.module_name_prefix}.{t}") for i, t in enumerate(config.teacher_layer)]  # type: ignore[index]
     pairs += [(_named(student, n, "student"), _named(teacher, n, "teacher"), n) for n in config.other_module_name]
     with torch.no_grad():

@@ -115,7 +115,11 @@ class WeightQuantizationConfig:
             )
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"weight_quantization: rounding must be 'nearest' or 'stochastic', got {self.rounding!r}.")
-        if isinstance(self.quantize_groups, bool) or not isinstance(self.quantize_groups, int) or self.quantize_groups < 1:
+        if (
+            isinstance(self.quantize_groups, bool)
+            or not isinstance(self.quantize_groups, int)
+            or self.quantize_groups < 1
+        ):
             raise ValueError(f"weight_quantization: quantize_groups must be an int >= 1, got {self.quantize_groups!r}.")
         low = [g.name for g in self.groups if g.target_bits <= 2]
         if low and self.quantization_type != "symmetric":
@@ -342,6 +346,12 @@ class CompressionConfig:
 
     def techniques(self) -> dict[str, object]:
         """The enabled techniques by DeepSpeed key, in the order they are applied and cleaned."""
-        names = ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning", "channel_pruning",
-                 "activation_quantization")
+        names = (
+            "weight_quantization",
+            "sparse_pruning",
+            "row_pruning",
+            "head_pruning",
+            "channel_pruning",
+            "activation_quantization",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}

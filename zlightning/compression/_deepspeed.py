@@ -43,7 +43,13 @@ class UnknownCompressionKeysError(ValueError):
 
 
 _SNIP_ONLY = {"block_pattern", "schedule_offset_stride", "excluded_modules"}
-_NOOP = _SNIP_ONLY | {"enabled", "quantizer_kernel", "quantize_verbose", "quantize_weight_in_forward", "fp16_mixed_quantize"}
+_NOOP = _SNIP_ONLY | {
+    "enabled",
+    "quantizer_kernel",
+    "quantize_verbose",
+    "quantize_weight_in_forward",
+    "fp16_mixed_quantize",
+}
 _SHARED: dict[str, set[str]] = {
     "weight_quantization": _NOOP | {"schedule_offset", "quantize_groups", "quantization_type", "rounding"},
     "activation_quantization": {"enabled", "quantization_type", "range_calibration", "schedule_offset"},
@@ -144,8 +150,9 @@ def _technique(technique: str, spec: Any, unknown: list[str]) -> object | None:
         return None
     mixed = shared.get("fp16_mixed_quantize", {})
     if isinstance(mixed, Mapping):
-        _unknown(technique + ".shared_parameters.fp16_mixed_quantize", mixed, {"enabled", "quantize_change_ratio"},
-                 unknown)
+        _unknown(
+            technique + ".shared_parameters.fp16_mixed_quantize", mixed, {"enabled", "quantize_change_ratio"}, unknown
+        )
         if mixed.get("enabled", False):
             raise ValueError(
                 "weight_quantization.shared_parameters.fp16_mixed_quantize.enabled=true is not supported: "

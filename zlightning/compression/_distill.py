@@ -30,8 +30,10 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, temperatur
         ValueError: For mismatched shapes or a non-positive temperature.
     """
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"distillation_loss: student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} must have the same shape.")
+        raise ValueError(
+            f"distillation_loss: student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} must have the same shape."
+        )
     if not temperature > 0:
         raise ValueError(f"distillation_loss: temperature must be > 0, got {temperature!r}.")
     classes = student_logits.shape[-1]

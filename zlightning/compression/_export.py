@@ -30,7 +30,12 @@ from torch import Tensor, nn
 from zlightning._safe_load import load_file
 from zlightning.compression._api import HEAD_COUNT_ATTRS, _clean, _root
 from zlightning.compression._modules import COMPRESSED_TYPES, TECHNIQUES
-from zlightning.compression._quantize import QuantizedWeight, dequantize_weight, pack_codes, quantize_weight, unpack_codes
+from zlightning.compression._quantize import (
+    QuantizedWeight,
+    pack_codes,
+    quantize_weight,
+    unpack_codes,
+)
 
 __all__ = ["ExportReport", "load_compressed", "save_compressed"]
 
@@ -99,8 +104,11 @@ def _expand_scales(entry: dict) -> dict:
     if rep == 1:
         return entry
     zp = entry["zero_point"]
-    return {**entry, "scale": entry["scale"].repeat_interleave(rep, dim=0),
-            "zero_point": None if zp is None else zp.repeat_interleave(rep, dim=0)}
+    return {
+        **entry,
+        "scale": entry["scale"].repeat_interleave(rep, dim=0),
+        "zero_point": None if zp is None else zp.repeat_interleave(rep, dim=0),
+    }
 
 
 def _quantize_layers(root: nn.Module) -> dict[str, tuple[QuantizedWeight, dict]]:
@@ -148,9 +156,15 @@ def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> ExportRep
     quantized: dict[str, dict] = {}
     for key, (q, rows) in quant.items():
         weight = state[key]
-        entry = {"scale": rows["scale"], "zero_point": rows["zero_point"], "bits": q.bits, "scheme": q.scheme,
-                 "shape": list(weight.shape), "dtype": str(weight.dtype).removeprefix("torch."),
-                 "offset": q.code_offset}
+        entry = {
+            "scale": rows["scale"],
+            "zero_point": rows["zero_point"],
+            "bits": q.bits,
+            "scheme": q.scheme,
+            "shape": list(weight.shape),
+            "dtype": str(weight.dtype).removeprefix("torch."),
+            "offset": q.code_offset,
+        }
         codes = rows["codes"]
         if not torch.equal(_row_dequantize(entry, codes), weight):
             raise AssertionError(f"export of {key} does not reproduce the cleaned weight")
@@ -168,18 +182,27 @@ def save_compressed(model: nn.Module, path: str | os.PathLike[str]) -> ExportRep
             aliases[key] = target
         else:
             tensors[key] = value
-    attributes = {n: {a: getattr(m, a) for a in (*HEAD_COUNT_ATTRS, "all_head_size") if isinstance(getattr(m, a, None), int)}
-                  for n, m in root.named_modules()}
-    blob = {"format": _FORMAT, "tensors": tensors, "quantized": quantized, "aliases": aliases,
-            "attributes": {n: a for n, a in attributes.items() if a}}
+    attributes = {
+        n: {a: getattr(m, a) for a in (*HEAD_COUNT_ATTRS, "all_head_size") if isinstance(getattr(m, a, None), int)}
+        for n, m in root.named_modules()
+    }
+    blob = {
+        "format": _FORMAT,
+        "tensors": tensors,
+        "quantized": quantized,
+        "aliases": aliases,
+        "attributes": {n: a for n, a in attributes.items() if a},
+    }
     path = Path(path)
     torch.save(blob, path)
     return ExportReport(path, path.stat().st_size, float_bytes, tuple(quantized))
 
 
 _SIZE_ATTRS: dict[type[nn.Module], tuple[str, str | None]] = {
-    nn.Linear: ("out_features", "in_features"), nn.Conv2d: ("out_channels", "in_channels"),
-    nn.Embedding: ("num_embeddings", "embedding_dim"), nn.BatchNorm2d: ("num_features", None),
+    nn.Linear: ("out_features", "in_features"),
+    nn.Conv2d: ("out_channels", "in_channels"),
+    nn.Embedding: ("num_embeddings", "embedding_dim"),
+    nn.BatchNorm2d: ("num_features", None),
 }
 
 
@@ -190,7 +213,11 @@ def _resize(root: nn.Module, key: str, shape: tuple[int, ...]) -> None:
     if current is None or tuple(current.shape) == shape:
         return
     new = torch.zeros(shape, dtype=current.dtype, device=current.device)
-    setattr(module, pname, nn.Parameter(new, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else new)
+    setattr(
+        module,
+        pname,
+        nn.Parameter(new, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else new,
+    )
     for kind, (out_attr, in_attr) in _SIZE_ATTRS.items():
         if isinstance(module, kind) and pname == "weight":
             setattr(module, out_attr, shape[0])

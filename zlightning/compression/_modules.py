@@ -12,7 +12,7 @@ and a cleaned model holds exactly the weights the training forward used. DeepSpe
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any, ClassVar
 
 import torch.nn.functional as F
@@ -21,11 +21,25 @@ from torch import Tensor, nn
 from zlightning.compression._parallel import SplitKind, TensorParallel, parallel_forward
 from zlightning.compression._techniques import ActivationQuantizer, Mask, ScheduledTechnique, WeightQuantizer
 
-__all__ = ["COMPRESSED_TYPES", "CompressedConv2d", "CompressedEmbedding", "CompressedLinear",
-           "CompressedParallelLinear", "TECHNIQUES", "compressed_twin", "plain_twin"]
+__all__ = [
+    "COMPRESSED_TYPES",
+    "CompressedConv2d",
+    "CompressedEmbedding",
+    "CompressedLinear",
+    "CompressedParallelLinear",
+    "TECHNIQUES",
+    "compressed_twin",
+    "plain_twin",
+]
 
-TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning", "head_pruning",
-              "channel_pruning")
+TECHNIQUES = (
+    "weight_quantization",
+    "activation_quantization",
+    "sparse_pruning",
+    "row_pruning",
+    "head_pruning",
+    "channel_pruning",
+)
 _MASKS = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
 
 
@@ -104,7 +118,9 @@ class CompressedEmbedding(_CompressedMixin, nn.Embedding):
 
     def forward(self, idx: Tensor) -> Tensor:
         w = self.compressed_weight()
-        return F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return F.embedding(
+            idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
 
 
 class CompressedParallelLinear(_CompressedMixin):
@@ -122,13 +138,15 @@ class CompressedParallelLinear(_CompressedMixin):
         return parallel_forward(self, self.tp_kind, self.tp_group, self.tp_world_size, self._input(x), w, b)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _parallel_twin_class(cls: type[nn.Module]) -> type[CompressedParallelLinear]:
     return type(f"Compressed{cls.__name__}", (CompressedParallelLinear, cls), {"plain_class": cls})
 
 
 _TWINS: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Linear: CompressedLinear, nn.Conv2d: CompressedConv2d, nn.Embedding: CompressedEmbedding,
+    nn.Linear: CompressedLinear,
+    nn.Conv2d: CompressedConv2d,
+    nn.Embedding: CompressedEmbedding,
 }
 COMPRESSED_TYPES = (CompressedLinear, CompressedConv2d, CompressedEmbedding, CompressedParallelLinear)
 

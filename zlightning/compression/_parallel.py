@@ -95,11 +95,14 @@ class TensorParallel:
             return None
         world, rank = _call(mpu, "world_size"), _call(mpu, "rank")
         if not isinstance(world, int) or not isinstance(rank, int) or world < 1 or not 0 <= rank < world:
-            raise ValueError(f"mpu reports model-parallel world size {world!r} and rank {rank!r}; expected ints with "
-                             f"0 <= rank < world size.")
+            raise ValueError(
+                f"mpu reports model-parallel world size {world!r} and rank {rank!r}; expected ints with "
+                f"0 <= rank < world size."
+            )
         types = {k: getattr(mpu, f"{k.capitalize()}ParallelLinear", None) for k in ("column", "row")}
-        return TensorParallel(world, rank, _call(mpu, "group"),
-                              *(((t,) if isinstance(t, type) else ()) for t in types.values()))
+        return TensorParallel(
+            world, rank, _call(mpu, "group"), *(((t,) if isinstance(t, type) else ()) for t in types.values())
+        )
 
     @property
     def split_types(self) -> tuple[type[nn.Module], ...]:
@@ -123,8 +126,10 @@ class TensorParallel:
         if kind is None or self.world_size == 1:
             return
         if getattr(module, "sequence_parallel", False) or getattr(module, "sequence_parallel_enabled", False):
-            raise ValueError(f"{technique}: {name!r} is a sequence-parallel layer; compressing it under mpu is not "
-                             "supported. Compress the model before splitting it, or narrow the module regexes.")
+            raise ValueError(
+                f"{technique}: {name!r} is a sequence-parallel layer; compressing it under mpu is not "
+                "supported. Compress the model before splitting it, or narrow the module regexes."
+            )
         if SPLIT_TECHNIQUES.get(technique) != kind:
             allowed = [t for t, k in SPLIT_TECHNIQUES.items() if k == kind]
             raise ValueError(
@@ -141,13 +146,16 @@ class TensorParallel:
             ValueError: If ``num_heads`` is not divisible by the model-parallel world size.
         """
         if num_heads % self.world_size:
-            raise ValueError(f"head_pruning: num_heads={num_heads} is not divisible by the {self.world_size} "
-                             f"model-parallel ranks {name!r} is split over; set num_heads to the model's head count.")
+            raise ValueError(
+                f"head_pruning: num_heads={num_heads} is not divisible by the {self.world_size} "
+                f"model-parallel ranks {name!r} is split over; set num_heads to the model's head count."
+            )
         return num_heads // self.world_size
 
 
-def parallel_forward(module: Any, kind: SplitKind, group: Any, world_size: int, x: Tensor, w: Tensor,
-                     b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def parallel_forward(
+    module: Any, kind: SplitKind, group: Any, world_size: int, x: Tensor, w: Tensor, b: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
     """Megatron's split-linear forward with the compressed ``(w, b)``; returns ``(output, output_bias)``. With one
     model-parallel rank no collective runs (as Megatron's layers bypass them)."""
     skip = bool(getattr(module, "skip_bias_add", False))
@@ -171,7 +179,8 @@ def update_split_sizes(module: nn.Module, dim: int, kept: int, world_size: int) 
     Megatron's per-partition and global size attributes (every rank keeps the same count)."""
     names = ("output_size_per_partition", "output_size") if dim == 0 else ("input_size_per_partition", "input_size")
     split = (dim == 0 and hasattr(module, "output_size_per_partition")) or (
-        dim == 1 and hasattr(module, "input_size_per_partition"))
+        dim == 1 and hasattr(module, "input_size_per_partition")
+    )
     if split:
         setattr(module, names[0], kept)
         setattr(module, names[1], kept * world_size)
@@ -182,5 +191,7 @@ def update_split_sizes(module: nn.Module, dim: int, kept: int, world_size: int) 
 def check_group_size(tp: TensorParallel) -> None:
     """The mpu's group must have ``world_size`` ranks (a local query)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(tp.group) != tp.world_size:
-        raise ValueError(f"mpu reports {tp.world_size} model-parallel ranks but its group has "
-                         f"{dist.get_world_size(tp.group)}; pass a consistent mpu.")
+        raise ValueError(
+            f"mpu reports {tp.world_size} model-parallel ranks but its group has "
+            f"{dist.get_world_size(tp.group)}; pass a consistent mpu."
+        )

@@ -32,7 +32,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["QuantizedWeight", "dequantize_weight", "fake_quantize", "pack_codes", "quantize_weight", "scheduled_bits", "unpack_codes"]
+__all__ = [
+    "QuantizedWeight",
+    "dequantize_weight",
+    "fake_quantize",
+    "pack_codes",
+    "quantize_weight",
+    "scheduled_bits",
+    "unpack_codes",
+]
 
 Scheme = Literal["symmetric", "asymmetric"]
 
@@ -71,7 +79,9 @@ def _grouped(x: Tensor, num_groups: int) -> Tensor:
     return x.detach().reshape(num_groups, -1).float()
 
 
-def quantize_weight(x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int = 1, stochastic: bool = False) -> QuantizedWeight:
+def quantize_weight(
+    x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int = 1, stochastic: bool = False
+) -> QuantizedWeight:
     """Integer codes and scales of ``x``; see [Note: quantizer grids].
 
     Args:
@@ -154,7 +164,9 @@ def _kernel_fake_quantize(x: Tensor, bits: int, num_groups: int) -> Tensor | Non
     return kernel_dequantize(kernel_quantize(x.detach(), bits, group_size, True), x.dtype)
 
 
-def fake_quantize(x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int = 1, stochastic: bool = False) -> Tensor:
+def fake_quantize(
+    x: Tensor, bits: int, scheme: Scheme = "symmetric", num_groups: int = 1, stochastic: bool = False
+) -> Tensor:
     """``dequantize_weight(quantize_weight(x))`` with a straight-through gradient to ``x``; see [Note: native quantize kernels]."""
     q = _kernel_fake_quantize(x, bits, num_groups) if scheme == "symmetric" and not stochastic else None
     if q is None:

@@ -43,11 +43,14 @@ def _compile(technique: str, group: str, pattern: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as err:
-        raise ValueError(f"{technique} group {group!r}: module pattern {pattern!r} is not a valid regex ({err}).") from err
+        raise ValueError(
+            f"{technique} group {group!r}: module pattern {pattern!r} is not a valid regex ({err})."
+        ) from err
 
 
-def select_modules(model: nn.Module, technique: str, groups: tuple[object, ...],
-                   split_types: tuple[type[nn.Module], ...] = ()) -> list[Selection]:
+def select_modules(
+    model: nn.Module, technique: str, groups: tuple[object, ...], split_types: tuple[type[nn.Module], ...] = ()
+) -> list[Selection]:
     """The modules selected by each group of ``technique``, validated.
 
     ``split_types`` (Megatron's split linears, from ``mpu``) are candidates of every technique here; which technique
@@ -105,8 +108,13 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
-def pair_related(model: nn.Module, primary: str, patterns: tuple[str, ...], technique: str,
-                 split_types: tuple[type[nn.Module], ...] = ()) -> tuple[str, ...]:
+def pair_related(
+    model: nn.Module,
+    primary: str,
+    patterns: tuple[str, ...],
+    technique: str,
+    split_types: tuple[type[nn.Module], ...] = (),
+) -> tuple[str, ...]:
     """The related modules of ``primary``: for each pattern, the matches nearest to it in the module tree.
 
     Raises:

@@ -81,8 +81,17 @@ class WeightQuantizer(ScheduledTechnique):
 
     technique = "weight_quantization"
 
-    def __init__(self, *, schedule_offset: int, start_bits: int, target_bits: int, period: int, scheme: Scheme,
-                 num_groups: int, stochastic: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        schedule_offset: int,
+        start_bits: int,
+        target_bits: int,
+        period: int,
+        scheme: Scheme,
+        num_groups: int,
+        stochastic: bool = False,
+    ) -> None:
         super().__init__(schedule_offset)
         self.start_bits, self.target_bits, self.period = start_bits, target_bits, period
         self.scheme, self.num_groups, self.stochastic = scheme, num_groups, stochastic
@@ -109,8 +118,16 @@ class ActivationQuantizer(ScheduledTechnique):
     x_min_max: Tensor  # [2] float32: running (min, max), static calibration only
     initialized: Tensor  # [] bool
 
-    def __init__(self, *, schedule_offset: int, bits: int, scheme: Scheme, calibration: str, per_sample: bool,
-                 momentum: float = 0.95) -> None:
+    def __init__(
+        self,
+        *,
+        schedule_offset: int,
+        bits: int,
+        scheme: Scheme,
+        calibration: str,
+        per_sample: bool,
+        momentum: float = 0.95,
+    ) -> None:
         super().__init__(schedule_offset)
         self.bits, self.scheme, self.calibration = bits, scheme, calibration
         self.per_sample, self.momentum = per_sample, momentum
@@ -150,8 +167,18 @@ class Mask(ScheduledTechnique):
     ready: Tensor  # [] bool: mask holds a computed mask
     scores: nn.Parameter | None  # score shape, topk only
 
-    def __init__(self, *, kind: MaskKind, method: str, dense_ratio: float, schedule_offset: int, weight: Tensor,
-                 num_heads: int = 1, freeze_after: int | None = None, related: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        kind: MaskKind,
+        method: str,
+        dense_ratio: float,
+        schedule_offset: int,
+        weight: Tensor,
+        num_heads: int = 1,
+        freeze_after: int | None = None,
+        related: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(schedule_offset)
         self.technique = f"{kind}_pruning"
         self.kind, self.method, self.dense_ratio = kind, method, dense_ratio

@@ -37,7 +37,6 @@ _OUT_NAMES = ("proj", "o_proj", "out_proj", "c_proj", "dense", "wo", "out")
 _RESID_DROP = ("resid_drop", "resid_dropout", "proj_drop", "dropout")
 
 
-
 @dataclass(frozen=True)
 class TPGroups:
     """A DP x TP grid: TP groups are contiguous ranks ``[k*tp, (k+1)*tp)``, DP groups strided (``r mod tp``)."""
@@ -74,8 +73,9 @@ def build_tp_groups(tp_size: int) -> TPGroups:
     return TPGroups(tp_group, dp_group, rank % tp_size, rank // tp_size, tp_size, world // tp_size)
 
 
-def module_inject(model: nn.Module, policy: InjectPolicy = InjectPolicy(), *,
-                  tp_group: dist.ProcessGroup | None = None) -> nn.Module:
+def module_inject(
+    model: nn.Module, policy: InjectPolicy = InjectPolicy(), *, tp_group: dist.ProcessGroup | None = None
+) -> nn.Module:
     """Rewrites ``model`` in place: fused kernels and/or tensor parallelism (training).
 
     The algorithm: (1) classify every ``nn.Linear`` (`classify_linears`; see [Note: how a Linear is classified]) and,
@@ -111,8 +111,9 @@ def module_inject(model: nn.Module, policy: InjectPolicy = InjectPolicy(), *,
         if tp_group is None:
             raise ValueError(f"module_inject: policy.tp_size={tp} needs tp_group= (see build_tp_groups({tp}))")
         if dist.get_world_size(tp_group) != tp:
-            raise ValueError(f"module_inject: tp_group has {dist.get_world_size(tp_group)} ranks but "
-                             f"policy.tp_size={tp}")
+            raise ValueError(
+                f"module_inject: tp_group has {dist.get_world_size(tp_group)} ranks but policy.tp_size={tp}"
+            )
     styles = classify_linears(model, policy)
     if tp > 1:
         validate_tp(model, styles, tp)
@@ -201,14 +202,27 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
         children = dict(module.named_children())
         width = children[out].out_features
         drop = next(((n, children[n]) for n in _RESID_DROP if isinstance(children.get(n), nn.Dropout)), None)
-        p = next((float(getattr(module, a)) for a in ("dropout", "attn_dropout", "dropout_p")
-                  if isinstance(getattr(module, a, None), float)), 0.0)
+        p = next(
+            (
+                float(getattr(module, a))
+                for a in ("dropout", "attn_dropout", "dropout_p")
+                if isinstance(getattr(module, a, None), float)
+            ),
+            0.0,
+        )
         weight = children[out].weight
         example = _probe_input(width, weight.dtype, weight.device)
         replacement = None
-        for causal in ([policy.causal] if policy.causal is not None else [True, False]):
-            cand = FusedSelfAttention(qkv_names=qkv, out_name=out, modules={n: children[n] for n in (*qkv, out)},
-                                      head_dim=width // heads, causal=causal, attn_dropout=p, resid_drop=drop)
+        for causal in [policy.causal] if policy.causal is not None else [True, False]:
+            cand = FusedSelfAttention(
+                qkv_names=qkv,
+                out_name=out,
+                modules={n: children[n] for n in (*qkv, out)},
+                head_dim=width // heads,
+                causal=causal,
+                attn_dropout=p,
+                resid_drop=drop,
+            )
             if probe_equal(module, cand, example, policy.probe_atol):
                 replacement = cand
                 break
@@ -217,9 +231,11 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
             continue  # See [Note: tensor parallelism alone is silent about kernels].
         if replacement is None:
             if required and sharded:
-                raise InjectError(f"{name} ({type(module).__name__}): attention could not be rebuilt on "
-                                  "F.scaled_dot_product_attention (outputs differ on a probe), so its heads cannot be "
-                                  "split; plan its projections as 'replicate' or set InjectPolicy.causal")
+                raise InjectError(
+                    f"{name} ({type(module).__name__}): attention could not be rebuilt on "
+                    "F.scaled_dot_product_attention (outputs differ on a probe), so its heads cannot be "
+                    "split; plan its projections as 'replicate' or set InjectPolicy.causal"
+                )
             if policy.inject_kernels:
                 warnings.warn(f"module_inject: {name} kept as is (fused attention differs on the probe)", stacklevel=3)
             continue
@@ -233,13 +249,18 @@ def _inject_mlps(model: nn.Module, policy: InjectPolicy) -> None:
         weight = next((c.weight for c in module.children() if type(c) is nn.Linear), None)
         if weight is None:
             continue
-        fused = fused_mlp_for(module, lambda width: _probe_input(width, weight.dtype, weight.device), policy.probe_atol,
-                              recompute=policy.fuse_mlp == "recompute")
+        fused = fused_mlp_for(
+            module,
+            lambda width: _probe_input(width, weight.dtype, weight.device),
+            policy.probe_atol,
+            recompute=policy.fuse_mlp == "recompute",
+        )
         if fused is not None:
             _set_submodule(model, name, fused)
         elif any(h in type(module).__name__.lower() for h in ("mlp", "ffn", "feedforward")):
-            warnings.warn(f"module_inject: {name} ({type(module).__name__}) kept: no fused MLP reading matches it",
-                          stacklevel=3)
+            warnings.warn(
+                f"module_inject: {name} ({type(module).__name__}) kept: no fused MLP reading matches it", stacklevel=3
+            )
 
 
 def _inject_norms(model: nn.Module, policy: InjectPolicy) -> None:
@@ -252,21 +273,29 @@ def _inject_norms(model: nn.Module, policy: InjectPolicy) -> None:
         else:
             _set_submodule(model, name, cand)
     if unfused:
-        warnings.warn(f"module_inject: kept {len(unfused)} norm-shaped module(s) whose output matches neither "
-                      f"LayerNorm nor RMSNorm on a probe: {unfused}; injection_report(model).unfused lists them",
-                      stacklevel=3)
+        warnings.warn(
+            f"module_inject: kept {len(unfused)} norm-shaped module(s) whose output matches neither "
+            f"LayerNorm nor RMSNorm on a probe: {unfused}; injection_report(model).unfused lists them",
+            stacklevel=3,
+        )
 
 
 def _shard_model(model: nn.Module, styles: dict[str, LinearStyle], group: dist.ProcessGroup) -> None:
     memo: ShardMemo = {}
     modules = dict(model.named_modules(remove_duplicate=False))
-    tied = {id(m.weight): n for n, m in modules.items() if isinstance(m, nn.Linear) and styles.get(n)
-            in (LinearStyle.COLUMN, LinearStyle.HEAD, LinearStyle.QKV, LinearStyle.ROW)}
+    tied = {
+        id(m.weight): n
+        for n, m in modules.items()
+        if isinstance(m, nn.Linear)
+        and styles.get(n) in (LinearStyle.COLUMN, LinearStyle.HEAD, LinearStyle.QKV, LinearStyle.ROW)
+    }
     for name, module in modules.items():
         if isinstance(module, nn.Embedding):
             if id(module.weight) in tied:
-                raise InjectError(f"{name} shares its weight with {tied[id(module.weight)]}, which is planned "
-                                  f"{styles[tied[id(module.weight)]].value}; plan that layer 'tied_head'")
+                raise InjectError(
+                    f"{name} shares its weight with {tied[id(module.weight)]}, which is planned "
+                    f"{styles[tied[id(module.weight)]].value}; plan that layer 'tied_head'"
+                )
             if module.max_norm is not None or module.sparse:
                 raise InjectError(f"{name}: embeddings with max_norm/sparse cannot be sharded; disable them")
             _set_submodule(model, name, HiddenParallelEmbedding(module, group, memo))

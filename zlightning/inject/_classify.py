@@ -26,8 +26,25 @@ __all__ = ["HEAD_ATTRS", "classify_linears", "validate_tp"]
 
 HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 _ROW_NAMES = {"proj", "o_proj", "out_proj", "down_proj", "c_proj", "dense_4h_to_h", "fc2", "w2", "wo", "out"}
-_COL_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv",
-              "query", "key", "value", "dense_h_to_4h"}
+_COL_NAMES = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "fc",
+    "fc1",
+    "c_fc",
+    "w1",
+    "w3",
+    "wq",
+    "wk",
+    "wv",
+    "query",
+    "key",
+    "value",
+    "dense_h_to_4h",
+}
 _QKV_NAMES = {"qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "query_key_value"}
 _HEAD_NAMES = {"lm_head", "head", "embed_out", "output"}
 
@@ -58,7 +75,8 @@ def _block_styles(prefix: str, block: nn.Module, hidden: set[int]) -> dict[str, 
             followed_by_norm = i + 1 < len(markers) and not isinstance(markers[i + 1][1], nn.Linear)
             style = LinearStyle.ROW if followed_by_norm or i == linears[-1] else LinearStyle.COLUMN
         fused = linear.out_features == 3 * linear.in_features and (
-            leaf in _QKV_NAMES or any(isinstance(getattr(parent, a, None), int) for a in HEAD_ATTRS))
+            leaf in _QKV_NAMES or any(isinstance(getattr(parent, a, None), int) for a in HEAD_ATTRS)
+        )
         if style is LinearStyle.COLUMN and fused:
             style = LinearStyle.QKV
         styles[f"{prefix}.{name}"] = style
@@ -89,8 +107,10 @@ def classify_linears(model: nn.Module, policy: InjectPolicy) -> dict[str, Linear
     for pattern in policy.plan:
         bad = [n for n, m in modules.items() if re.fullmatch(pattern, n) and not isinstance(m, nn.Linear)]
         if bad and not any(isinstance(modules[n], nn.Linear) for n in modules if re.fullmatch(pattern, n)):
-            raise InjectError(f"InjectPolicy.plan: pattern {pattern!r} matches {bad[:3]}, which are not nn.Linear; "
-                              "plans classify Linear layers only")
+            raise InjectError(
+                f"InjectPolicy.plan: pattern {pattern!r} matches {bad[:3]}, which are not nn.Linear; "
+                "plans classify Linear layers only"
+            )
     for name, module in modules.items():
         if not isinstance(module, nn.Linear):
             continue
@@ -108,8 +128,10 @@ def classify_linears(model: nn.Module, policy: InjectPolicy) -> dict[str, Linear
             styles[name] = LinearStyle.REPLICATE
     unused = [p for p in policy.plan if p not in used]
     if unused:
-        raise InjectError(f"InjectPolicy.plan: patterns {unused} match no nn.Linear (re.fullmatch on qualified names "
-                          f"such as {list(styles)[:3]}); fix or remove them")
+        raise InjectError(
+            f"InjectPolicy.plan: patterns {unused} match no nn.Linear (re.fullmatch on qualified names "
+            f"such as {list(styles)[:3]}); fix or remove them"
+        )
     return styles
 
 
@@ -134,8 +156,10 @@ def validate_tp(model: nn.Module, styles: dict[str, LinearStyle], tp: int) -> No
         if style is LinearStyle.QKV and lin.out_features % 3:
             raise InjectError(f"{name}: fused QKV needs out_features divisible by 3, got {lin.out_features}")
         if dim % tp:
-            raise InjectError(f"{name} ({style.value}-parallel): {what}={dim} is not divisible by tp_size={tp}; "
-                              f"choose a tp_size dividing it or plan the layer as 'replicate'")
+            raise InjectError(
+                f"{name} ({style.value}-parallel): {what}={dim} is not divisible by tp_size={tp}; "
+                f"choose a tp_size dividing it or plan the layer as 'replicate'"
+            )
     for name, module in modules.items():
         if isinstance(module, nn.Embedding) and module.embedding_dim % tp:
             raise InjectError(f"{name}: embedding_dim={module.embedding_dim} is not divisible by tp_size={tp}")
@@ -148,10 +172,14 @@ def validate_tp(model: nn.Module, styles: dict[str, LinearStyle], tp: int) -> No
             if not name.startswith(prefix + "."):
                 continue
             if style is LinearStyle.ROW and not sharded:
-                raise InjectError(f"{name} is planned row-parallel but no column-parallel layer precedes it in block "
-                                  f"{prefix}, so its input is not sharded; plan the producer as 'column'")
+                raise InjectError(
+                    f"{name} is planned row-parallel but no column-parallel layer precedes it in block "
+                    f"{prefix}, so its input is not sharded; plan the producer as 'column'"
+                )
             sharded = style in (LinearStyle.COLUMN, LinearStyle.QKV) or (sharded and style is not LinearStyle.ROW)
             last = name
         if sharded:
-            raise InjectError(f"block {prefix} ends with a sharded activation after {last}; plan its last layer as "
-                              "'row' so the output is all-reduced")
+            raise InjectError(
+                f"block {prefix} ends with a sharded activation after {last}; plan its last layer as "
+                "'row' so the output is all-reduced"
+            )

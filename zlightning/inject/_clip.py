@@ -48,8 +48,14 @@ def tp_model_parallel_grads(model: nn.Module, tp_group: dist.ProcessGroup) -> Mo
     return ModelParallelGrads(group=tp_group, split=tp_split_names(model))
 
 
-def clip_grad_norm_tp_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
-                       tp_group: dist.ProcessGroup, parameters: Iterable[nn.Parameter] | None = None) -> torch.Tensor:
+def clip_grad_norm_tp_(
+    model: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    tp_group: dist.ProcessGroup,
+    parameters: Iterable[nn.Parameter] | None = None,
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a tensor-parallel model that is not ZeRO-sharded (TP alone, or TP
     with DDP over the DP group, whose gradients are already averaged). Collective over ``tp_group``.
 

@@ -57,8 +57,15 @@ class ColumnParallelLinear(nn.Module):
     bias: nn.Parameter | None  # [out_features / tp]
     tp_split: ClassVar[tuple[str, ...]] = ("weight", "bias")  # parameters holding a different slice per TP rank
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, memo: ShardMemo, *, chunks: int = 1,
-                 gather_output: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: dist.ProcessGroup,
+        memo: ShardMemo,
+        *,
+        chunks: int = 1,
+        gather_output: bool = False,
+    ) -> None:
         super().__init__()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.gather_output, self.chunks = group, gather_output, chunks
@@ -75,8 +82,9 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out_local={self.out_features}, chunks={self.chunks}, "
-                f"gather={self.gather_output}")
+        return (
+            f"in={self.in_features}, out_local={self.out_features}, chunks={self.chunks}, gather={self.gather_output}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -89,8 +97,9 @@ class RowParallelLinear(nn.Module):
     bias: nn.Parameter | None  # [out_features], replicated
     tp_split: ClassVar[tuple[str, ...]] = ("weight",)
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, memo: ShardMemo, *,
-                 input_is_parallel: bool = True) -> None:
+    def __init__(
+        self, linear: nn.Linear, group: dist.ProcessGroup, memo: ShardMemo, *, input_is_parallel: bool = True
+    ) -> None:
         super().__init__()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.input_is_parallel = group, input_is_parallel
@@ -141,8 +150,17 @@ class FusedSelfAttention(nn.Module):
     hold ``n_head / tp`` heads.
     """
 
-    def __init__(self, *, qkv_names: tuple[str, ...], out_name: str, modules: dict[str, nn.Module], head_dim: int,
-                 causal: bool, attn_dropout: float, resid_drop: tuple[str, nn.Module] | None) -> None:
+    def __init__(
+        self,
+        *,
+        qkv_names: tuple[str, ...],
+        out_name: str,
+        modules: dict[str, nn.Module],
+        head_dim: int,
+        causal: bool,
+        attn_dropout: float,
+        resid_drop: tuple[str, nn.Module] | None,
+    ) -> None:
         super().__init__()
         self.qkv_names, self.out_name, self.head_dim = qkv_names, out_name, head_dim
         self.causal, self.attn_dropout = causal, attn_dropout
@@ -164,8 +182,9 @@ class FusedSelfAttention(nn.Module):
         else:
             q, k, v = (getattr(self, n)(x_BTD) for n in self.qkv_names)
         p = self.attn_dropout if self.training else 0.0
-        y_BHTd = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v), dropout_p=p,
-                                                is_causal=self.causal)
+        y_BHTd = F.scaled_dot_product_attention(
+            self._heads(q), self._heads(k), self._heads(v), dropout_p=p, is_causal=self.causal
+        )
         B, H, T, d = y_BHTd.shape
         y = getattr(self, self.out_name)(y_BHTd.transpose(1, 2).reshape(B, T, H * d))
         return y if self.resid_name is None else getattr(self, self.resid_name)(y)
@@ -177,8 +196,9 @@ class FusedSelfAttention(nn.Module):
 class FusedNorm(nn.Module):
     """A hand-written LayerNorm/RMSNorm replaced by ``F.layer_norm`` / ``F.rms_norm`` (same parameter objects)."""
 
-    def __init__(self, kind: str, weight: nn.Parameter | None, bias: nn.Parameter | None, eps: float,
-                 shape: tuple[int, ...]) -> None:
+    def __init__(
+        self, kind: str, weight: nn.Parameter | None, bias: nn.Parameter | None, eps: float, shape: tuple[int, ...]
+    ) -> None:
         super().__init__()
         if kind not in ("layer", "rms"):
             raise AssertionError(f"{kind=}")

@@ -67,14 +67,27 @@ class _FusedMLPFn(torch.autograd.Function):
     """``y = act(x W1^T + b1) [* (x W3^T + b3)] W2^T + b2``; see [Note: what the fused MLP fuses]."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, act: Activation, recompute: bool, w1: Tensor, b1: Tensor | None,
-                w3: Tensor | None, b3: Tensor | None, w2: Tensor, b2: Tensor | None) -> Tensor:
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        act: Activation,
+        recompute: bool,
+        w1: Tensor,
+        b1: Tensor | None,
+        w3: Tensor | None,
+        b3: Tensor | None,
+        w2: Tensor,
+        b2: Tensor | None,
+    ) -> Tensor:
         gated, hidden = w3 is not None, w1.shape[0]
         x2 = x.reshape(-1, x.shape[-1])
         if gated:
             w13 = torch.cat([w1, w3])
-            b13 = None if b1 is None and b3 is None else torch.cat([
-                b if b is not None else w1.new_zeros(hidden) for b in (b1, b3)])
+            b13 = (
+                None
+                if b1 is None and b3 is None
+                else torch.cat([b if b is not None else w1.new_zeros(hidden) for b in (b1, b3)])
+            )
             pre = _linear2d(x2, w13, b13)  # [N, 2h]: gate | up
             g, u = pre.split(hidden, dim=-1)
             p = _act(g, act) * u
@@ -112,8 +125,17 @@ class _FusedMLPFn(torch.autograd.Function):
         if gw13 is None:
             return gx, None, None, None, None, None, None, gw2, gb2
         if ctx.gated:
-            return (gx, None, None, gw13[:h], gb13[:h] if gb13 is not None and ctx.has_b1 else None, gw13[h:],
-                    gb13[h:] if gb13 is not None and ctx.has_b3 else None, gw2, gb2)
+            return (
+                gx,
+                None,
+                None,
+                gw13[:h],
+                gb13[:h] if gb13 is not None and ctx.has_b1 else None,
+                gw13[h:],
+                gb13[h:] if gb13 is not None and ctx.has_b3 else None,
+                gw2,
+                gb2,
+            )
         return gx, None, None, gw13, gb13 if ctx.has_b1 else None, None, None, gw2, gb2
 
 
@@ -131,8 +153,18 @@ class FusedMLP(nn.Module):
             also saves the activation output (the hidden tensor the down projection reads), trading memory for time.
     """
 
-    def __init__(self, *, up: str, down: str, gate: str | None, act: Activation, modules: dict[str, nn.Module],
-                 hidden_drop: str | None = None, out_drop: str | None = None, recompute: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        up: str,
+        down: str,
+        gate: str | None,
+        act: Activation,
+        modules: dict[str, nn.Module],
+        hidden_drop: str | None = None,
+        out_drop: str | None = None,
+        recompute: bool = True,
+    ) -> None:
         super().__init__()
         self.up_name, self.down_name, self.gate_name, self.act = up, down, gate, act
         self.recompute = recompute
@@ -172,8 +204,14 @@ class FusedMLP(nn.Module):
         return getattr(self, self.out_drop)(y) if self.out_drop else y
 
     def _fused(self, x: Tensor, first: nn.Module, down: nn.Module, third: nn.Module | None, group: Any) -> Tensor:
-        weights = [first.weight, first.bias, third.weight if third is not None else None,
-                   third.bias if third is not None else None, down.weight, down.bias if group is None else None]
+        weights = [
+            first.weight,
+            first.bias,
+            third.weight if third is not None else None,
+            third.bias if third is not None else None,
+            down.weight,
+            down.bias if group is None else None,
+        ]
         device = x.device.type
         if torch.is_autocast_enabled(device):  # autocast does not reach inside a Function: cast like F.linear would
             dtype = torch.get_autocast_dtype(device)
@@ -236,8 +274,19 @@ def _candidates(module: nn.Module, recompute: bool) -> list[FusedMLP]:
             hidden_drop, out_drop = (drops[0], None) if before_down else (None, drops[0])
         wanted = {up, down, gate, hidden_drop, out_drop}
         mods = {n: children[n] for n in order if n in wanted}  # original order: same state-dict key order
-        out += [FusedMLP(up=up, down=down, gate=gate, act=a, modules=mods, hidden_drop=hidden_drop,
-                         out_drop=out_drop, recompute=recompute) for a in act_choices]
+        out += [
+            FusedMLP(
+                up=up,
+                down=down,
+                gate=gate,
+                act=a,
+                modules=mods,
+                hidden_drop=hidden_drop,
+                out_drop=out_drop,
+                recompute=recompute,
+            )
+            for a in act_choices
+        ]
     return out
 
 
@@ -262,8 +311,9 @@ def _agrees(original: nn.Module, candidate: nn.Module, example: Tensor, atol: fl
         original.train(modes[0]), candidate.train(modes[1])
 
 
-def fused_mlp_for(module: nn.Module, probe: Callable[[int], Tensor], atol: float,
-                  recompute: bool = True) -> FusedMLP | None:
+def fused_mlp_for(
+    module: nn.Module, probe: Callable[[int], Tensor], atol: float, recompute: bool = True
+) -> FusedMLP | None:
     """A `FusedMLP` equal to ``module`` (verified on ``probe(input_width)``), or None when it is not an MLP."""
     for cand in _candidates(module, recompute):
         if _agrees(module, cand, probe(getattr(cand, cand.up_name).in_features), atol):

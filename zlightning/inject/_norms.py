@@ -23,8 +23,20 @@ __all__ = ["fused_norm_for", "hidden_sizes", "is_norm", "norm_candidates", "prob
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 _EPS_GUESSES = (1e-5, 1e-6, 1e-8, 1e-12)
-_TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-                nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm, FusedNorm)
+_TORCH_NORMS = (
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.GroupNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LocalResponseNorm,
+    FusedNorm,
+)
 
 
 def probe_input(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -63,11 +75,11 @@ def norm_candidates(model: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter
     return out
 
 
-def fused_norm_for(module: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, atol: float
-                   ) -> FusedNorm | None:
+def fused_norm_for(module: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, atol: float) -> FusedNorm | None:
     """The `FusedNorm` computing what ``module`` computes on both probes, or None."""
-    eps_attr = next((float(getattr(module, a)) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)),
-                    None)
+    eps_attr = next(
+        (float(getattr(module, a)) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), None
+    )
     probe = probe_input(weight.shape[0], weight.dtype, weight.device)
     for kind in ("rms", "layer"):
         for eps in (eps_attr,) if eps_attr is not None else _EPS_GUESSES:

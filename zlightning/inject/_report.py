@@ -78,6 +78,9 @@ def injection_report(model: nn.Module) -> InjectReport:
     unfused: dict[str, str] = {}
     for name, module, weight, bias in norm_candidates(model):
         fused = fused_norm_for(module, weight, bias, 1e-5)
-        unfused[name] = ("matches neither LayerNorm nor RMSNorm on the probes" if fused is None else
-                         f"computes {'RMSNorm' if fused.kind == 'rms' else 'LayerNorm'}; kernel injection was off")
+        unfused[name] = (
+            "matches neither LayerNorm nor RMSNorm on the probes"
+            if fused is None
+            else f"computes {'RMSNorm' if fused.kind == 'rms' else 'LayerNorm'}; kernel injection was off"
+        )
     return InjectReport(kernels=kernels, tensor_parallel=tp, unfused=unfused)

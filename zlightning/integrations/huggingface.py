@@ -104,7 +104,7 @@ class _Layout:
 
     @property
     def embed_key(self) -> str:
-        return ("model.embed_tokens.weight" if self.family == "llama" else "transformer.wte.weight")
+        return "model.embed_tokens.weight" if self.family == "llama" else "transformer.wte.weight"
 
 
 def _layout(config: PretrainedConfig) -> _Layout:
@@ -127,15 +127,23 @@ def _load_init(module: nn.Module, init: Mapping[str, Tensor] | None, initializer
     missing, unexpected = module.load_state_dict(dict(init), strict=False)
     missing = [k for k in missing if k in dict(module.named_parameters())]
     if missing or unexpected:
-        raise ValueError(f"{type(module).__name__}: the Hugging Face weights do not fit this layer (missing "
-                         f"{missing}, unexpected {unexpected}); is the model of the family its config names?")
+        raise ValueError(
+            f"{type(module).__name__}: the Hugging Face weights do not fit this layer (missing "
+            f"{missing}, unexpected {unexpected}); is the model of the family its config names?"
+        )
 
 
 class TokenEmbedding(nn.Embedding):
     """The token table (``embed_tokens`` / ``wte``); with tied weights also read by the head (`tied_lm_head`)."""
 
-    def __init__(self, vocab_size: int, hidden: int, padding_idx: int | None = None,
-                 init: Mapping[str, Tensor] | None = None, initializer: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        padding_idx: int | None = None,
+        init: Mapping[str, Tensor] | None = None,
+        initializer: nn.Module | None = None,
+    ) -> None:
         super().__init__(vocab_size, hidden, padding_idx=padding_idx)
         _load_init(self, init, initializer)
 
@@ -148,8 +156,13 @@ def tied_lm_head(embedding: nn.Module, hidden_BTD: Tensor) -> Tensor:
 class LMHead(nn.Linear):
     """The output head of a model whose embeddings are not tied (``lm_head``, no bias)."""
 
-    def __init__(self, hidden: int, vocab_size: int, init: Mapping[str, Tensor] | None = None,
-                 initializer: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        vocab_size: int,
+        init: Mapping[str, Tensor] | None = None,
+        initializer: nn.Module | None = None,
+    ) -> None:
         super().__init__(hidden, vocab_size, bias=False)
         _load_init(self, init, initializer)
 
@@ -157,8 +170,9 @@ class LMHead(nn.Linear):
 class GPT2Positions(nn.Module):
     """GPT-2's learned positions and embedding dropout: ``drop(x_BTD + wpe[0..T-1])``."""
 
-    def __init__(self, config: PretrainedConfig, init: Mapping[str, Tensor] | None = None,
-                 initializer: nn.Module | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, init: Mapping[str, Tensor] | None = None, initializer: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.drop = nn.Dropout(config.embd_pdrop)
@@ -171,8 +185,14 @@ class GPT2Positions(nn.Module):
 class FinalNorm(nn.Module):
     """The final norm (``model.norm`` / ``transformer.ln_f``) under the attribute ``norm``."""
 
-    def __init__(self, norm_cls: type[nn.Module], hidden: int, eps: float,
-                 init: Mapping[str, Tensor] | None = None, initializer: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        norm_cls: type[nn.Module],
+        hidden: int,
+        eps: float,
+        init: Mapping[str, Tensor] | None = None,
+        initializer: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.norm = norm_cls(hidden, eps=eps)
         _load_init(self, init, initializer)
@@ -210,9 +230,15 @@ class DecoderLayer(nn.Module):
             layer as Hugging Face does; None keeps PyTorch's defaults.
     """
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, layer_cls: type[nn.Module],
-                 rotary_cls: type[nn.Module] | None = None, init: Mapping[str, Tensor] | None = None,
-                 initializer: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        layer_cls: type[nn.Module],
+        rotary_cls: type[nn.Module] | None = None,
+        init: Mapping[str, Tensor] | None = None,
+        initializer: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer = layer_cls(config, layer_idx)
@@ -231,8 +257,9 @@ class DecoderLayer(nn.Module):
 def causal_lm_loss(logits_BTV: Tensor, targets_BT: Tensor) -> Tensor:
     """Mean next-token cross-entropy over the targets (already shifted: ``targets[t]`` follows ``inputs[t]``);
     ``-100`` targets are ignored, as in Hugging Face."""
-    return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), targets_BT.reshape(-1),
-                           ignore_index=-100)
+    return F.cross_entropy(
+        logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), targets_BT.reshape(-1), ignore_index=-100
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- building
@@ -246,7 +273,7 @@ def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
 def _sub_state(state: Mapping[str, Tensor] | None, prefix: str) -> dict[str, Tensor] | None:
     if state is None:
         return None
-    return {k[len(prefix):]: v.detach() for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v.detach() for k, v in state.items() if k.startswith(prefix)}
 
 
 def _prefixed(state: dict[str, Tensor] | None, prefix: str) -> dict[str, Tensor] | None:
@@ -291,7 +318,8 @@ def hf_pipeline_layers(source: PreTrainedModel | PretrainedConfig) -> list[Layer
     padding_idx = inner.embed_tokens.padding_idx if layout.family == "llama" else None
     embed_args = (vocab, hidden, padding_idx)
     layers: list[LayerSpec] = [
-        TiedLayerSpec("embed", TokenEmbedding, *embed_args, init=embed_init, initializer=ini) if layout.tied
+        TiedLayerSpec("embed", TokenEmbedding, *embed_args, init=embed_init, initializer=ini)
+        if layout.tied
         else LayerSpec(TokenEmbedding, *embed_args, init=embed_init, initializer=ini)
     ]
     if layout.family == "gpt2":
@@ -299,15 +327,21 @@ def hf_pipeline_layers(source: PreTrainedModel | PretrainedConfig) -> list[Layer
         layers.append(LayerSpec(GPT2Positions, config, init=wpe, initializer=ini))
     for i in range(layout.n_layer):
         hf_prefix = pairs[f"{layout.first_block + i}.layer."]
-        layers.append(LayerSpec(DecoderLayer, config, i, layer_cls, rotary_cls, init=_sub_state(state, hf_prefix),
-                                initializer=ini))
+        layers.append(
+            LayerSpec(
+                DecoderLayer, config, i, layer_cls, rotary_cls, init=_sub_state(state, hf_prefix), initializer=ini
+            )
+        )
     norm = inner.norm if layout.family == "llama" else inner.ln_f
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     norm_init = _sub_state(state, pairs[f"{layout.first_block + layout.n_layer}.norm."])
     layers.append(LayerSpec(FinalNorm, type(norm), hidden, eps, init=_prefixed(norm_init, "norm."), initializer=ini))
     if layout.tied:
-        layers.append(TiedLayerSpec("embed", TokenEmbedding, *embed_args, init=embed_init, initializer=ini,
-                                    forward_fn=tied_lm_head))
+        layers.append(
+            TiedLayerSpec(
+                "embed", TokenEmbedding, *embed_args, init=embed_init, initializer=ini, forward_fn=tied_lm_head
+            )
+        )
     else:
         layers.append(LayerSpec(LMHead, hidden, vocab, init=_sub_state(state, "lm_head."), initializer=ini))
     return layers
@@ -335,7 +369,7 @@ def _rename(state: Mapping[str, Tensor], pairs: Sequence[tuple[str, str]], what:
         if match is None:
             unknown.append(name)
             continue
-        yield match[1] + name[len(match[0]):], value
+        yield match[1] + name[len(match[0]) :], value
     if unknown:
         raise ValueError(f"{what}: {len(unknown)} key(s) have no counterpart: {unknown[:8]}")
 
@@ -367,15 +401,16 @@ def pipeline_to_hf_state(state: Mapping[str, Tensor], config: PretrainedConfig, 
         ValueError: unsupported model type, or keys that belong to no layer.
     """
     layout = _layout(config)
-    body = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    body = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     out = dict(_rename(body, layout.prefixes(), "pipeline_to_hf_state"))
     if layout.tied:
         out["lm_head.weight"] = out[layout.embed_key]
     return out
 
 
-def export_pretrained(state: Mapping[str, Tensor], config: PretrainedConfig, out_dir: str | Path,
-                      prefix: str = "model.") -> Path:
+def export_pretrained(
+    state: Mapping[str, Tensor], config: PretrainedConfig, out_dir: str | Path, prefix: str = "model."
+) -> Path:
     """Writes a ``save_pretrained`` folder from a consolidated state dict (``zlightning consolidate`` output of a
     LightningModule holding the Hugging Face model as ``self.model``): the weights are loaded with
     ``load_state_dict(strict=True)`` into the model class of ``config`` first, so a missing or extra key fails here,
@@ -395,7 +430,7 @@ def export_pretrained(state: Mapping[str, Tensor], config: PretrainedConfig, out
     """
     from transformers import AutoModelForCausalLM
 
-    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layout = _layout(config) if getattr(config, "model_type", None) in (*LLAMA_FAMILY, "gpt2") else None

@@ -199,8 +199,9 @@ class HybridCPGPTModule(LightningModule):
 
         def loss_fn(data: dict[str, Tensor], shard: CPShard) -> Tensor:
             mask = data[mask_key] if mask_key is not None else None
-            return gpt_cp_loss(self.model, data["tokens"], data["labels"], shard, num_tokens=num_tokens,
-                               loss_mask_t=mask)
+            return gpt_cp_loss(
+                self.model, data["tokens"], data["labels"], shard, num_tokens=num_tokens, loss_mask_t=mask
+            )
 
         strategy = self.trainer.strategy
         engine = strategy.engine if isinstance(strategy, ZStackZero3Strategy) else None
@@ -219,8 +220,12 @@ class HybridCPGPTModule(LightningModule):
 
             device = self.device
             total = hybrid_cp_forward_backward(
-                batch, groups, loss_fn, pad_loss_fn=lambda: gpt_pad_loss(self.model, device),
-                step_context=engine.forward_pass, backward=backward,
+                batch,
+                groups,
+                loss_fn,
+                pad_loss_fn=lambda: gpt_pad_loss(self.model, device),
+                step_context=engine.forward_pass,
+                backward=backward,
             )
         optimizer = self.optimizers()
         optimizer.step()

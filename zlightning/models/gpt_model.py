@@ -183,7 +183,7 @@ class GPT(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"GPT.forward: idx must have shape [batch, seq], got {tuple(idx.shape)}.")
         T = idx.shape[1]
-        if T > self.config.seq_len:
+        if self.config.seq_len < T:
             raise ValueError(
                 f"GPT.forward: sequence length {T} exceeds config.seq_len={self.config.seq_len}; "
                 "crop the input (generate() does this) or build the model with a larger seq_len."

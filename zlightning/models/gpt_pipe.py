@@ -29,7 +29,16 @@ from zlightning.models.gpt import LinearWarmup
 from zlightning.models.gpt_model import Block, GPTConfig
 from zlightning.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-__all__ = ["GPTPipelineModule", "PositionalEmbedding", "gpt_layers", "gpt_pipeline", "gpt_state_to_pipe", "lm_loss", "tied_head"]
+__all__ = [
+    "GPTPipelineModule",
+    "PositionalEmbedding",
+    "gpt_layers",
+    "gpt_pipeline",
+    "gpt_state_to_pipe",
+    "lm_loss",
+    "tied_head",
+]
+
 
 class PositionalEmbedding(nn.Module):
     """Adds learned positions to token vectors: ``x_BTD + pos[:T]``."""
@@ -42,6 +51,7 @@ class PositionalEmbedding(nn.Module):
     def forward(self, x_BTD: Tensor) -> Tensor:
         return x_BTD + self.pos_emb(torch.arange(x_BTD.shape[1], device=x_BTD.device))
 
+
 class TokenEmbedding(nn.Embedding):
     """``nn.Embedding`` with GPT-2 initialisation (normal, std 0.02)."""
 
@@ -49,12 +59,15 @@ class TokenEmbedding(nn.Embedding):
         super().__init__(vocab, d_model)
         nn.init.normal_(self.weight, std=0.02)
 
+
 def tied_head(embedding: nn.Module, x_BTD: Tensor) -> Tensor:
     """The output head reusing the token table: logits = x @ W_emb^T."""
     return F.linear(x_BTD, embedding.weight)
 
+
 def lm_loss(logits_BTV: Tensor, targets_BT: Tensor) -> Tensor:
     return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), targets_BT.reshape(-1))
+
 
 def gpt_layers(config: GPTConfig) -> list[Any]:
     """The layer list: embed, positions, ``n_layer`` blocks, final norm, tied head."""
@@ -66,11 +79,13 @@ def gpt_layers(config: GPTConfig) -> list[Any]:
         TiedLayerSpec("embed", TokenEmbedding, config.vocab_size, config.d_model, forward_fn=tied_head),
     ]
 
+
 def gpt_pipeline(config: GPTConfig, **kwargs: Any) -> PipelineModule:
     """``PipelineModule(gpt_layers(config), loss_fn=lm_loss, **kwargs)``; ``partition_method`` defaults to
     ``"type:Block"`` (equal transformer blocks per stage)."""
     kwargs.setdefault("partition_method", "type:Block")
     return PipelineModule(gpt_layers(config), loss_fn=lm_loss, **kwargs)
+
 
 def gpt_state_to_pipe(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
     """Renames a ``GPT`` state dict to the parameter names of a one-stage ``gpt_pipeline`` (``tied_modules.embed``,
@@ -86,7 +101,7 @@ def gpt_state_to_pipe(state: dict[str, Tensor], config: GPTConfig) -> dict[str, 
             _, i, rest = name.split(".", 2)
             out[f"{int(i) + 2}.{rest}"] = value
         elif name.startswith("ln_f."):
-            out[f"{n + 2}.{name[len('ln_f.'):]}"] = value
+            out[f"{n + 2}.{name[len('ln_f.') :]}"] = value
     return out
 
 

@@ -94,8 +94,14 @@ class HFCausalLM(LightningModule):
         ImportError: ``transformers`` is not installed.
     """
 
-    def __init__(self, model_type: str = "llama", config: dict[str, Any] | None = None, lr: float = 1e-3,
-                 weight_decay: float = 0.1, warmup_steps: int = 20) -> None:
+    def __init__(
+        self,
+        model_type: str = "llama",
+        config: dict[str, Any] | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+    ) -> None:
         super().__init__()
         _check(lr, weight_decay, warmup_steps, "HFCausalLM")
         self.save_hyperparameters()
@@ -136,8 +142,14 @@ class HFCausalLMPipeline(LightningModule):
         ValueError: invalid settings, or a model type without a pipeline layout (Llama family, GPT-2).
     """
 
-    def __init__(self, model_type: str = "llama", config: dict[str, Any] | None = None, lr: float = 1e-3,
-                 weight_decay: float = 0.1, warmup_steps: int = 20) -> None:
+    def __init__(
+        self,
+        model_type: str = "llama",
+        config: dict[str, Any] | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+    ) -> None:
         super().__init__()
         _check(lr, weight_decay, warmup_steps, "HFCausalLMPipeline")
         self.save_hyperparameters()

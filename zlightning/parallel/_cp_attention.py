@@ -211,8 +211,10 @@ class CPShard:
 
     def __post_init__(self) -> None:
         if not _is_power_of_two(self.cp_size) or not 0 <= self.cp_rank < self.cp_size:
-            raise ValueError(f"CPShard: need a power-of-two cp_size and 0 <= cp_rank < cp_size, got "
-                             f"cp_size={self.cp_size}, cp_rank={self.cp_rank}.")
+            raise ValueError(
+                f"CPShard: need a power-of-two cp_size and 0 <= cp_rank < cp_size, got "
+                f"cp_size={self.cp_size}, cp_rank={self.cp_rank}."
+            )
         if (self.group is None) != (self.cp_size == 1):
             raise ValueError(
                 f"CPShard: cp_size={self.cp_size} needs {'no group' if self.cp_size == 1 else 'its block group'}, "
@@ -220,11 +222,15 @@ class CPShard:
             )
         q, kv = self.q_positions, self.kv_positions
         if q.dim() != 1 or kv.shape != (self.cp_size * q.shape[0],) or q.dtype != torch.int64 or kv.dtype != q.dtype:
-            raise ValueError(f"CPShard: q_positions must be int64 [t] and kv_positions int64 [cp_size * t], got "
-                             f"{q.dtype} {tuple(q.shape)} and {kv.dtype} {tuple(kv.shape)} for cp_size={self.cp_size}.")
+            raise ValueError(
+                f"CPShard: q_positions must be int64 [t] and kv_positions int64 [cp_size * t], got "
+                f"{q.dtype} {tuple(q.shape)} and {kv.dtype} {tuple(kv.shape)} for cp_size={self.cp_size}."
+            )
         if self.cp_size == 1 and q.numel() > 1 and not bool((q[1:] > q[:-1]).all()):
-            raise ValueError("CPShard: a cp_size=1 shard runs plain causal attention, so its q_positions must be "
-                             "strictly increasing.")
+            raise ValueError(
+                "CPShard: a cp_size=1 shard runs plain causal attention, so its q_positions must be "
+                "strictly increasing."
+            )
         object.__setattr__(self, "mask_tL", q[:, None] >= kv[None, :])
 
     @classmethod
@@ -276,13 +282,17 @@ class _AllGatherStack(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
         grad = grad_out.new_empty(grad_out.shape[1:])
-        dist.reduce_scatter_single(grad.view(-1), grad_out.contiguous().view(-1), op=dist.ReduceOp.SUM,
-                                   group=ctx.group)
+        dist.reduce_scatter_single(grad.view(-1), grad_out.contiguous().view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None, None
 
 
 def cp_causal_attention(
-    q_BHtd: Tensor, k_BHtd: Tensor, v_BHtd: Tensor, shard: CPShard, *, dropout_p: float = 0.0,
+    q_BHtd: Tensor,
+    k_BHtd: Tensor,
+    v_BHtd: Tensor,
+    shard: CPShard,
+    *,
+    dropout_p: float = 0.0,
     scale: float | None = None,
 ) -> Tensor:
     """Causal attention of this rank's queries over the whole sub-sample, which is sharded across the block.
@@ -328,8 +338,14 @@ def cp_causal_attention(
 
 
 def _sdpa_arguments(
-    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, float, bool, float | None, bool]:
     """Binds a call of ``F.scaled_dot_product_attention`` (same signature) to its arguments."""
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa

@@ -84,8 +84,9 @@ _FAILURE_GRACE_S = 15.0
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
 
 
-def _collect_stragglers(results: Any, procs: list[Any], outcomes: dict[int, tuple[bool, Any]], world_size: int,
-                        grace: float) -> None:
+def _collect_stragglers(
+    results: Any, procs: list[Any], outcomes: dict[int, tuple[bool, Any]], world_size: int, grace: float
+) -> None:
     """After one rank failed, waits up to ``grace`` seconds for the other ranks' outcomes.
 
     [Note: which rank's error to report]
@@ -200,13 +201,18 @@ def run_distributed(
                 p.kill()
                 p.join()
     if failure is not None:
-        others = "".join(f"\n--- rank {r} also raised:\n{v}" for r, (ok, v) in sorted(outcomes.items())
-                         if not ok and v not in failure)
+        others = "".join(
+            f"\n--- rank {r} also raised:\n{v}"
+            for r, (ok, v) in sorted(outcomes.items())
+            if not ok and v not in failure
+        )
         silent = sorted(set(range(world_size)) - set(outcomes))
         if silent and not failure.startswith(("timed out", "ranks")):
             # Exit codes as read before the kill: a rank that had already died shows its own (-11: SIGSEGV).
             codes = {r: exit_codes.get(r) for r in silent}
-            others += (f"\n--- ranks {silent} gave no result within {_FAILURE_GRACE_S:.0f}s of the failure "
-                       f"(exit codes before the kill: {codes}; None = still running, then killed)")
+            others += (
+                f"\n--- ranks {silent} gave no result within {_FAILURE_GRACE_S:.0f}s of the failure "
+                f"(exit codes before the kill: {codes}; None = still running, then killed)"
+            )
         raise DistributedTestError(f"distributed test failed: {failure}{others}")
     return [outcomes[r][1] for r in range(world_size)]

@@ -20,6 +20,8 @@ from zlightning.zero._config import CheckpointPolicy, MixedPrecisionPolicy, Zero
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, UnsupportedConfigError, from_deepspeed_config
 from zlightning.zero._estimate import MemoryEstimate, estimate_zero_memory
 from zlightning.zero._export import StateDictWriter, iter_full_state_dict, save_full_state_dict, summon_full_params
+from zlightning.zero._offload_config import CPUOffload, NVMeOffload, OffloadPolicy
+from zlightning.zero._offload_optimizer import OffloadedAdam
 from zlightning.zero._optimizer import (
     DeepSpeedZeroOptimizer_Stage3,
     DynamicLossScaler,
@@ -39,8 +41,6 @@ from zlightning.zero._sharded_checkpoint import (
     load_sharded,
     save_sharded,
 )
-from zlightning.zero._offload_config import CPUOffload, NVMeOffload, OffloadPolicy
-from zlightning.zero._offload_optimizer import OffloadedAdam
 from zlightning.zero._state import ZeroState, engine_of
 from zlightning.zero._swap import SwapState, SwapStateError
 from zlightning.zero._swap_io import SwapCorruptionError, SwapPathError, SwapSpaceError

@@ -106,7 +106,9 @@ def load_full_state_dict(state: ZeroState, state_dict: Mapping[str, Any], strict
         if zp.fqn in state_dict and tuple(state_dict[zp.fqn].shape) != tuple(zp.shape)
     ]
     if bad:
-        raise ValueError("checkpoint tensors have the wrong shape (was it saved from another model?): " + "; ".join(bad))
+        raise ValueError(
+            "checkpoint tensors have the wrong shape (was it saved from another model?): " + "; ".join(bad)
+        )
     with torch.no_grad(), state.resident():
         for zp in state.params:
             src = next((state_dict[n] for n in zp.fqns if n in state_dict), None)
@@ -157,7 +159,10 @@ def full_optim_state_dict(
     keep = not rank0_only or _is_rank0(state)
     full_state: dict[int, dict[str, Any]] = {}
     if keep:  # copies: the caller owns the result (Adam's ``step`` would otherwise keep counting)
-        full_state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in sd["state"].items()}
+        full_state = {
+            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in sd["state"].items()
+        }
     index_of = {zp.index: i for i, zp in enumerate(pieces) if zp is not None}
     for group in state.groups:
         members = [(index_of[zp.index], zp) for zp in group.params if zp.index in index_of]
@@ -202,7 +207,9 @@ def load_full_optim_state_dict(state: ZeroState, optimizer: torch.optim.Optimize
             if zp is not None and isinstance(value, torch.Tensor) and key != "step" and value.shape == zp.shape:
                 out[key] = zp.local_slice_of(value).clone()
             elif zp is not None and isinstance(value, torch.Tensor) and key != "step" and value.numel() == zp.numel > 1:
-                raise ValueError(f"optimizer state {key!r} of {zp.fqn} has shape {tuple(value.shape)}, expected {tuple(zp.shape)}")
+                raise ValueError(
+                    f"optimizer state {key!r} of {zp.fqn} has shape {tuple(value.shape)}, expected {tuple(zp.shape)}"
+                )
             else:
                 out[key] = value
         sharded[int(i)] = out
@@ -235,4 +242,3 @@ def unshard_module(state: ZeroState, optimizers: Sequence[torch.optim.Optimizer]
             group["params"][:] = [by_piece.get(id(p), p) for p in group["params"]]
         opt.state.clear()
         opt.load_state_dict(full)
-

@@ -73,8 +73,13 @@ def _issue(stream: torch.cuda.Stream | None, inputs: tuple[torch.Tensor, ...]) -
     return torch.cuda.stream(stream)
 
 
-def _finish(works: list[dist.Work | None], output: torch.Tensor, stream: torch.cuda.Stream | None,
-            sources: tuple[torch.Tensor, ...], async_op: bool) -> CommHandle:
+def _finish(
+    works: list[dist.Work | None],
+    output: torch.Tensor,
+    stream: torch.cuda.Stream | None,
+    sources: tuple[torch.Tensor, ...],
+    async_op: bool,
+) -> CommHandle:
     handle = CommHandle([w for w in works if w is not None], output, stream, sources)  # sync device ops: None
     if not async_op:
         handle.wait()

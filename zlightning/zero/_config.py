@@ -14,7 +14,15 @@ import torch
 
 from zlightning.zero._offload_config import CPUOffload, NVMeOffload
 
-__all__ = ["Bytes", "CheckpointPolicy", "DTypeName", "Elements", "MixedPrecisionPolicy", "ZeroConfig", "dtype_from_name"]
+__all__ = [
+    "Bytes",
+    "CheckpointPolicy",
+    "DTypeName",
+    "Elements",
+    "MixedPrecisionPolicy",
+    "ZeroConfig",
+    "dtype_from_name",
+]
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
 
@@ -54,10 +62,14 @@ def _parse_count(value: object, what: str, allow_bytes: bool) -> int:
             f"{what}: {value!r} is a byte size, but this counts tensor elements: write e.g. '50M' (50 million "
             "elements; 200 MB of fp32 values are 50M elements)"
         )
-    amount = float(match["number"]) * (_BINARY.get(match["unit"] or "") or _DECIMAL[match["unit"] or ""]) if match else None
+    amount = (
+        float(match["number"]) * (_BINARY.get(match["unit"] or "") or _DECIMAL[match["unit"] or ""]) if match else None
+    )
     if amount is None or not amount.is_integer():
         suffixes = "K/M/G/T (x1000) or Ki/Mi/Gi/Ti (x1024)" + (", optionally followed by B" if allow_bytes else "")
-        raise ValueError(f"{what}: cannot read {value!r} as a whole number; write e.g. 50000000, 5e7 or 50M ({suffixes})")
+        raise ValueError(
+            f"{what}: cannot read {value!r} as a whole number; write e.g. 50000000, 5e7 or 50M ({suffixes})"
+        )
     return int(amount)
 
 
@@ -91,8 +103,13 @@ def _register_with_jsonargparse() -> None:
 
 _register_with_jsonargparse()
 
-_ELEMENT_KNOBS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-                  "max_live_parameters", "reduce_bucket_size")
+_ELEMENT_KNOBS = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "reduce_bucket_size",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +256,9 @@ class ZeroConfig:
                 "(parameter shards already live on the host when the device is the CPU)"
             )
         if self.offload_params is not None and self.stage != 3:
-            raise ValueError(f"ZeroConfig.offload_params needs stage=3 (parameters are replicated at stage {self.stage})")
+            raise ValueError(
+                f"ZeroConfig.offload_params needs stage=3 (parameters are replicated at stage {self.stage})"
+            )
         if not isinstance(self.mixed_precision, MixedPrecisionPolicy):
             raise ValueError(
                 f"ZeroConfig.mixed_precision must be a MixedPrecisionPolicy, got {type(self.mixed_precision).__name__}"
@@ -259,6 +278,8 @@ class CheckpointPolicy:
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"CheckpointPolicy.state_dict_type must be 'sharded' or 'full', got {self.state_dict_type!r}")
+            raise ValueError(
+                f"CheckpointPolicy.state_dict_type must be 'sharded' or 'full', got {self.state_dict_type!r}"
+            )
         if not isinstance(self.save_full_weights, bool):
             raise ValueError(f"CheckpointPolicy.save_full_weights must be a bool, got {self.save_full_weights!r}")

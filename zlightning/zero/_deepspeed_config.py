@@ -145,7 +145,10 @@ def from_deepspeed_config(config: str | os.PathLike[str] | Mapping[str, Any]) ->
         else:
             policy = MixedPrecisionPolicy(reduce_dtype=names[comm])  # type: ignore[arg-type]
     clip = cfg.pop("gradient_clipping", None)
-    batch = {k: cfg.pop(k, None) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")}
+    batch = {
+        k: cfg.pop(k, None)
+        for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    }
     for key in _TOP_NOOP:
         cfg.pop(key, None)
     for key in ("optimizer", "scheduler"):
@@ -202,8 +205,19 @@ def _offload_policies(blocks: dict[str, dict[str, Any]], aio: dict[str, Any], pr
             problems.append(f"zero_optimization.{key}.device='nvme' without nvme_path")
         else:
             problems.append(f"zero_optimization.{key}.device={device!r} (supported: 'cpu' for the optimizer, 'nvme')")
-        unknown = set(block) - {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "pipeline_read",
-                                "pipeline_write", "pipeline", "fast_init", "max_in_cpu", "ratio"}
+        unknown = set(block) - {
+            "device",
+            "nvme_path",
+            "pin_memory",
+            "buffer_count",
+            "buffer_size",
+            "pipeline_read",
+            "pipeline_write",
+            "pipeline",
+            "fast_init",
+            "max_in_cpu",
+            "ratio",
+        }
         problems += [f"zero_optimization.{key}.{k}" for k in sorted(unknown)]
         if float(block.get("ratio", 1.0)) != 1.0:
             problems.append(f"zero_optimization.{key}.ratio (partial offload is not supported)")

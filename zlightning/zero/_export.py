@@ -33,11 +33,27 @@ from zlightning.zero._collectives import all_gather_into
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._state import ZeroState, engine_of
 
-__all__ = ["LazyTensor", "StateDictWriter", "TensorSpec", "save_streaming", "iter_full_state_dict", "save_full_state_dict", "summon_full_params"]
+__all__ = [
+    "LazyTensor",
+    "StateDictWriter",
+    "TensorSpec",
+    "save_streaming",
+    "iter_full_state_dict",
+    "save_full_state_dict",
+    "summon_full_params",
+]
 
 _SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -152,8 +168,10 @@ def save_streaming(obj: Any, path: str | os.PathLike[str]) -> None:
         for ref, produce in pending:
             tensor = produce()
             if tuple(tensor.shape) != ref.spec.shape or tensor.dtype != ref.spec.dtype:
-                raise ValueError(f"save_streaming: a lazy tensor produced {tuple(tensor.shape)} {tensor.dtype}, "
-                                 f"declared {ref.spec.shape} {ref.spec.dtype}")
+                raise ValueError(
+                    f"save_streaming: a lazy tensor produced {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"declared {ref.spec.shape} {ref.spec.dtype}"
+                )
             _write_storage(archive, ref.key, tensor, ref.spec)
             del tensor
     except BaseException:
@@ -304,8 +322,12 @@ def iter_full_state_dict(
                 continue
             for zp in group.params:
                 t = flat[zp.offset : zp.offset + zp.numel].view(zp.shape)
-                yield zp, t.to(device="cpu", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype,
-                               copy=True)
+                yield (
+                    zp,
+                    t.to(
+                        device="cpu", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True
+                    ),
+                )
             del flat
 
 
@@ -317,7 +339,9 @@ def _non_param_entries(state: ZeroState) -> dict[str, torch.Tensor]:
         if key in param_names:
             continue
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"save_full_state_dict: state dict entry {key!r} is a {type(value).__name__}, not a tensor")
+            raise ValueError(
+                f"save_full_state_dict: state dict entry {key!r} is a {type(value).__name__}, not a tensor"
+            )
         out[key] = value
     return out
 
@@ -338,7 +362,7 @@ def save_full_state_dict(
     state = _engine(module)
     extra = _non_param_entries(state)
     order = list(state.root.state_dict().keys())
-    cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+    cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t
     specs_by_key: dict[str, TensorSpec] = {}
     for zp in state.params:
         d = dtype if dtype is not None and zp.dtype.is_floating_point else zp.dtype
@@ -396,8 +420,9 @@ def summon_full_params(
     """
     state = _engine(module)
     if writeback and rank0_only:
-        raise ValueError("summon_full_params(writeback=True) needs every rank to hold the full parameters: "
-                         "rank0_only=False")
+        raise ValueError(
+            "summon_full_params(writeback=True) needs every rank to hold the full parameters: rank0_only=False"
+        )
     receiving = not rank0_only or state.rank == 0
     fulls: dict[int, nn.Parameter] = {}
     with state.paused_hooks():

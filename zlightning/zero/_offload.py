@@ -125,7 +125,8 @@ class ZeroOffload:
         if isinstance(par, NVMeOffload):
             key = str(par.resolved_path())
             size = sum(
-                aligned_numel(g.shard_numel, g.master_dtype) * g.shard.element_size() for g in self.offloaded_param_groups()
+                aligned_numel(g.shard_numel, g.master_dtype) * g.shard.element_size()
+                for g in self.offloaded_param_groups()
             )
             out[key] = out.get(key, 0) + size
         return out

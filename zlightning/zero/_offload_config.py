@@ -122,7 +122,9 @@ class NVMeOffload(OffloadPolicy):
         _positive_int("NVMeOffload", "io_threads", self.io_threads)
         _positive_int("NVMeOffload", "block_size", self.block_size, minimum=IO_ALIGNMENT)
         if self.block_size % IO_ALIGNMENT:
-            raise ValueError(f"NVMeOffload.block_size must be a multiple of {IO_ALIGNMENT} bytes, got {self.block_size}")
+            raise ValueError(
+                f"NVMeOffload.block_size must be a multiple of {IO_ALIGNMENT} bytes, got {self.block_size}"
+            )
         if self.direct_io not in ("auto", "on", "off"):
             raise ValueError(f"NVMeOffload.direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         if self.io_engine not in ("auto", "kernels", "portable"):

@@ -105,7 +105,9 @@ class _Hyper:
 AdamFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Hyper, bool], None]
 
 
-def torch_adam(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: _Hyper, adamw: bool) -> None:
+def torch_adam(
+    param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: _Hyper, adamw: bool
+) -> None:
     """torch's single-tensor Adam/AdamW update, in place (see [Note: exact Adam])."""
     if h.weight_decay != 0:
         if adamw:
@@ -217,7 +219,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                 for name in names:
                     if swapper is not None:
                         path = swapper.folder.file(f"optim_group{gi}_{name}.swp")
-                        swapped[name] = SwapTensor(f"group {gi} {name}[{lo}:{hi}]", path, k * size * 4, hi - lo, torch.float32)
+                        swapped[name] = SwapTensor(
+                            f"group {gi} {name}[{lo}:{hi}]", path, k * size * 4, hi - lo, torch.float32
+                        )
                     else:
                         host[name] = torch.zeros(hi - lo, dtype=torch.float32, pin_memory=self.offload.pin)
                 if "master" in host:
@@ -423,8 +427,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         keeping in memory until then)."""
         from zlightning.zero._state import TrainingState
 
-        return (self._announced and id(group) in self._by_group and id(group) not in self._early_groups
-                and self.engine.training_state is TrainingState.BACKWARD)
+        return (
+            self._announced
+            and id(group) in self._by_group
+            and id(group) not in self._early_groups
+            and self.engine.training_state is TrainingState.BACKWARD
+        )
 
     @property
     def stepped_in_backward(self) -> bool:
@@ -504,7 +512,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         hypers = self._hypers()
         try:
             self._check_hypers(hypers)
-            work = [(sg, segs) for sg in self._order if id(sg) not in self._done and (segs := self._segments(sg, hypers))]
+            work = [
+                (sg, segs) for sg in self._order if id(sg) not in self._done and (segs := self._segments(sg, hypers))
+            ]
             by_group: list[tuple[ZeroParamGroup, list[tuple[_SubGroup, list[Any]]]]] = []
             for sg, segs in work:
                 if not by_group or by_group[-1][0] is not sg.group:
@@ -605,10 +615,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         entries = {id(pieces[int(i)]): e for i, e in state_dict["state"].items()}
         self._steps = {}
         for sg in self._subgroups:
-            values = self._read_all(sg) if self._steps_any(sg) else {
-                k: (sg.group.shard[sg.lo : sg.hi].float().cpu() if k == "master" else torch.zeros(sg.hi - sg.lo))
-                for k in self.offload.optimizer_state_names()
-            }
+            values = (
+                self._read_all(sg)
+                if self._steps_any(sg)
+                else {
+                    k: (sg.group.shard[sg.lo : sg.hi].float().cpu() if k == "master" else torch.zeros(sg.hi - sg.lo))
+                    for k in self.offload.optimizer_state_names()
+                }
+            )
             base = sg.group.rank * sg.group.shard_numel
             touched = False
             for zp, a, b in sg.pieces:

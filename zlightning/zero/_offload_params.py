@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zlightning.zero._offload_config import NVMeOffload
-from zlightning.zero._swap import SwapState, Swapper, SwapTensor, aligned_numel
+from zlightning.zero._swap import Swapper, SwapState, SwapTensor, aligned_numel
 from zlightning.zero._swap_io import SwapDirectory
 
 if TYPE_CHECKING:
@@ -42,7 +42,9 @@ class ParamOffloader:
         self, state: ZeroState, policy: NVMeOffload, folder: SwapDirectory, direct: bool, *, pin: bool
     ) -> None:
         groups = [g for g in state.groups if not g.persistent]
-        largest = max((aligned_numel(g.shard_numel, g.master_dtype) * g.shard.element_size() for g in groups), default=0)
+        largest = max(
+            (aligned_numel(g.shard_numel, g.master_dtype) * g.shard.element_size() for g in groups), default=0
+        )
         limit = aligned_numel(policy.buffer_size, torch.float32) * 4
         if largest > limit:
             big = max(groups, key=lambda g: g.shard_numel)
@@ -63,7 +65,9 @@ class ParamOffloader:
         for i, g in enumerate(state.groups):
             if g.persistent:
                 continue
-            t = SwapTensor(f"param group {i} shard", folder.file(f"param_group{i}.swp"), 0, g.shard_numel, g.master_dtype)
+            t = SwapTensor(
+                f"param group {i} shard", folder.file(f"param_group{i}.swp"), 0, g.shard_numel, g.master_dtype
+            )
             self.files[id(g)] = t
             self.swapper.stage(t, g.shard.detach())
             self.swapper.write(t)

@@ -115,12 +115,18 @@ def global_grad_norm(state: ZeroState, pieces: Iterable[torch.Tensor], norm_type
     split, replicated = _split_grads(state, list(pieces))
     mp = state.model_parallel
     return _gradnorm.global_norm(
-        split, replicated, norm_type, partitioned_over=[state.process_group], device=state.device,
+        split,
+        replicated,
+        norm_type,
+        partitioned_over=[state.process_group],
+        device=state.device,
         model_parallel=mp.group if mp is not None else None,
     )
 
 
-def clip_grad_norm_(state: ZeroState, pieces: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    state: ZeroState, pieces: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clips the full gradient to ``max_norm`` like ``torch.nn.utils.clip_grad_norm_``; returns the total norm."""
     pieces = list(pieces)
     if state.offload is not None:  # see [Note: optimizer steps in backward] in _offload_optimizer.py
@@ -403,4 +409,3 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
     def close(self) -> None:
         """Removes this rank's swap files without restoring the module (after a failure); idempotent."""
         self.state.close_offload()
-

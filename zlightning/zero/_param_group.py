@@ -31,8 +31,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from zlightning.zero._buffers import StoragePool
 from zlightning._watchdog import record_collective
+from zlightning.zero._buffers import StoragePool
 from zlightning.zero._collectives import CommHandle, CommStreams, all_gather_into, reduce_scatter_into
 from zlightning.zero._param import ZeroParam
 
@@ -145,7 +145,9 @@ class ZeroParamGroup:
         self.persistent = persistent
         self.requires_grad = params[0].requires_grad
         self.master_dtype = params[0].dtype
-        self.param_dtype = param_dtype if (param_dtype is not None and self.master_dtype.is_floating_point) else self.master_dtype
+        self.param_dtype = (
+            param_dtype if (param_dtype is not None and self.master_dtype.is_floating_point) else self.master_dtype
+        )
         self.world = context.world
         self.rank = context.rank
         self.numel = sum(p.numel for p in params)
@@ -330,8 +332,13 @@ class ZeroParamGroup:
             held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
             out = held[-1].tensor
         record_collective("reduce-scatter", self)
-        handle = reduce_scatter_into(flat.tensor, self.context.process_group, async_op=async_op, output=out,
-                                     stream=self.context.streams.reduce_scatter)
+        handle = reduce_scatter_into(
+            flat.tensor,
+            self.context.process_group,
+            async_op=async_op,
+            output=out,
+            stream=self.context.streams.reduce_scatter,
+        )
         return PendingReduce(self, handle, held)
 
     def accumulate(self, reduced: torch.Tensor) -> None:
@@ -371,12 +378,16 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _is_view_of(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and (
-        a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.numel() == b.numel()
+        and (a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
     )
 
 
-def persistent_indices(params: list[ZeroParam], stage: int, param_threshold: int, model_threshold: int | None) -> set[int]:
+def persistent_indices(
+    params: list[ZeroParam], stage: int, param_threshold: int, model_threshold: int | None
+) -> set[int]:
     """Indices of the small parameters that stay gathered between uses, smallest first, within ``model_threshold``
     elements in total (None: 1% of the model). At stages 1 and 2 every parameter stays gathered (replicated)."""
     if stage < 3:

@@ -122,7 +122,9 @@ def _layout(state: ZeroState) -> list[dict[str, Any]]:
         {
             "numel": g.numel,
             "dtype": str(g.master_dtype).removeprefix("torch."),
-            "params": [{"fqns": zp.fqns, "shape": list(zp.shape), "offset": zp.offset, "numel": zp.numel} for zp in g.params],
+            "params": [
+                {"fqns": zp.fqns, "shape": list(zp.shape), "offset": zp.offset, "numel": zp.numel} for zp in g.params
+            ],
         }
         for g in state.groups
     ]
@@ -257,8 +259,9 @@ def save_sharded(
 def _write_rank_file(state: ZeroState, optimizers: Sequence[torch.optim.Optimizer], tmp: Path) -> str:
     """Writes and fsyncs this rank's shard file; returns its SHA-256."""
     payload = {
-        "shards": [LazyTensor((g.shard_numel,), g.master_dtype, lambda g=g: g.shard.detach().cpu())
-                   for g in state.groups],
+        "shards": [
+            LazyTensor((g.shard_numel,), g.master_dtype, lambda g=g: g.shard.detach().cpu()) for g in state.groups
+        ],
         "optimizers": [_local_optimizer_payload(state, opt) for opt in optimizers],
     }
     if state.rank == 0:
@@ -308,7 +311,11 @@ def _write_rank0_files(
 
 def _buffers(state: ZeroState) -> dict[str, Any]:
     names = {n for zp in state.params for n in zp.fqns}
-    return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.root.state_dict().items() if k not in names}
+    return {
+        k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+        for k, v in state.root.state_dict().items()
+        if k not in names
+    }
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -342,7 +349,9 @@ def _verify_files(path: Path, meta: Mapping[str, Any], names: Sequence[str]) -> 
     for name in names:
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"{file} is missing from the sharded checkpoint (saved at world size {meta['world_size']})")
+            raise CheckpointError(
+                f"{file} is missing from the sharded checkpoint (saved at world size {meta['world_size']})"
+            )
         expected = meta["files"].get(name)
         if expected is not None and _sha256(file) != expected:
             raise CheckpointError(f"{file} is corrupted: its SHA-256 does not match meta.json")
@@ -357,7 +366,8 @@ def _check_layout(state: ZeroState, meta: Mapping[str, Any], path: Path) -> None
         unexpected = sorted(set(params_saved) - set(params_here))[:5]
         shapes = [
             f"{n}: checkpoint {params_saved[n]} vs model {s}"
-            for n, s in params_here.items() if n in params_saved and params_saved[n] != s
+            for n, s in params_here.items()
+            if n in params_saved and params_saved[n] != s
         ][:5]
         raise CheckpointError(
             f"{path} does not match this model: missing {missing or '-'}, unexpected {unexpected or '-'}, "
@@ -468,7 +478,9 @@ def load_sharded(
     # Build everything first (see [Note: atomic, all-or-nothing]), the client state before all.
     client = load_file(path / CLIENT, weights_only=weights_only, opt_in=LOAD_OPT_IN)
     if not isinstance(client, dict):
-        raise CheckpointError(f"{path / CLIENT} holds a {type(client).__name__}, not a dict: the checkpoint is corrupted")
+        raise CheckpointError(
+            f"{path / CLIENT} holds a {type(client).__name__}, not a dict: the checkpoint is corrupted"
+        )
     originals = (lambda: load_file(path / OBJECTS, weights_only=False, opt_in=LOAD_OPT_IN)) if objects else None
     client = join_client_state(client, originals, weights_only)
     legacy_buffers = client.pop(BUFFERS, {})  # version 1
@@ -516,7 +528,9 @@ def _build_optimizer_state(
         lo, hi = src.span(zp)
         for key, template in head["flats"].get(str(src.group), {}).items():
             entry[key] = _assemble(
-                lo, hi, src.old_shard,
+                lo,
+                hi,
+                src.old_shard,
                 lambda r, og=src.group, key=key: files.get(r)["optimizers"][which]["flats"].get(str(og), {}).get(key),
                 template.dtype,
             )
@@ -568,7 +582,9 @@ def consolidate(
         saved = getattr(torch, g["dtype"])
         target = dtype if saved.is_floating_point else saved
         specs += [TensorSpec(tuple(p["fqns"]), tuple(p["shape"]), target) for p in g["params"]]
-    specs += [TensorSpec((k,), tuple(v.shape), cast(v).dtype) for k, v in buffers.items() if isinstance(v, torch.Tensor)]
+    specs += [
+        TensorSpec((k,), tuple(v.shape), cast(v).dtype) for k, v in buffers.items() if isinstance(v, torch.Tensor)
+    ]
     groups = list(enumerate(meta["groups"]))
     if progress:
         try:
@@ -582,8 +598,13 @@ def consolidate(
         for gi, g in groups:
             shard = -(-g["numel"] // world)
             for p in g["params"]:
-                full = _assemble(p["offset"], p["offset"] + p["numel"], shard,
-                                 lambda r, gi=gi: payloads[r]["shards"][gi], getattr(torch, g["dtype"]))
+                full = _assemble(
+                    p["offset"],
+                    p["offset"] + p["numel"],
+                    shard,
+                    lambda r, gi=gi: payloads[r]["shards"][gi],
+                    getattr(torch, g["dtype"]),
+                )
                 writer.write(p["fqns"][0], cast(full).view(p["shape"]))
                 del full
         for key, value in buffers.items():

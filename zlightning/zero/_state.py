@@ -48,8 +48,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from zlightning.zero._buffers import StoragePool
 from zlightning._watchdog import watch_engine
+from zlightning.zero._buffers import StoragePool
 from zlightning.zero._collectives import CommStreams
 from zlightning.zero._config import ZeroConfig, dtype_from_name
 from zlightning.zero._host_memory import pin_mmap_threshold, use_host_cache
@@ -94,8 +94,9 @@ class TrainingState(enum.Enum):
 
 
 _MOVES: dict[TrainingState, frozenset[TrainingState]] = {
-    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.PAUSED,
-                                   TrainingState.SUSPENDED}),
+    TrainingState.IDLE: frozenset(
+        {TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.PAUSED, TrainingState.SUSPENDED}
+    ),
     TrainingState.FORWARD: frozenset({TrainingState.IDLE, TrainingState.FORWARD, TrainingState.BACKWARD}),
     TrainingState.BACKWARD: frozenset({TrainingState.IDLE}),
     TrainingState.PAUSED: frozenset({TrainingState.IDLE}),
@@ -167,8 +168,13 @@ class ZeroState:
         self.model_parallel: ModelParallelGrads | None = None
         self.pool = StoragePool(self.device, idle_limit=0)  # see [Note: why the engine pools its step buffers]
         self.group_context = GroupContext(
-            process_group=process_group, rank=self.rank, world=self.world_size, global_src=self.global_src,
-            device=self.device, streams=self.streams, pool=self.pool,
+            process_group=process_group,
+            rank=self.rank,
+            world=self.world_size,
+            global_src=self.global_src,
+            device=self.device,
+            streams=self.streams,
+            pool=self.pool,
             broadcast_init=self.sync_module_states and not self.meta_init,
             initial_value=self._init.initial_value if self._init is not None else None,
             on_gradients=self.post_backward,
@@ -198,8 +204,9 @@ class ZeroState:
             zp = ZeroParam(len(self.params), objects[pid], [h[0] for h in holders], [(h[1], h[2]) for h in holders])
             self.params.append(zp)
         cfg = self.config
-        chosen = persistent_indices(self.params, cfg.stage, cfg.param_persistence_threshold,
-                                    cfg.model_persistence_threshold)
+        chosen = persistent_indices(
+            self.params, cfg.stage, cfg.param_persistence_threshold, cfg.model_persistence_threshold
+        )
         per_unit: dict[int, list[ZeroParam]] = collections.defaultdict(list)
         for zp, holders in zip(self.params, owners.values()):
             if zp.index not in chosen:
@@ -293,12 +300,15 @@ class ZeroState:
         if self.training_state is TrainingState.SUSPENDED:
             return
         if self.offload is not None:
-            raise RuntimeError("suspend_module_hooks: not supported with parameter/optimizer offload (the engine "
-                               "must drive the swaps); compile in per-unit mode instead")
+            raise RuntimeError(
+                "suspend_module_hooks: not supported with parameter/optimizer offload (the engine "
+                "must drive the swaps); compile in per-unit mode instead"
+            )
         busy = [g for g in self.groups if g.status is not GroupState.SHARDED and not g.persistent]
         if busy or self._pending:
-            raise RuntimeError("suspend_module_hooks: call it between steps (groups are gathered or reduce-scatters "
-                               "are in flight)")
+            raise RuntimeError(
+                "suspend_module_hooks: call it between steps (groups are gathered or reduce-scatters are in flight)"
+            )
         self.release_all(keep_persistent=False)
         for unit in self.units:
             unit.remove_hooks()
@@ -329,8 +339,10 @@ class ZeroState:
     def paused_hooks(self) -> Iterator[None]:
         """The engine's module hooks do nothing inside the block (the caller installed full parameters itself)."""
         if self._pending or self.training_state not in (TrainingState.IDLE, TrainingState.FORWARD):
-            raise RuntimeError(f"paused_hooks: call it between steps (the engine is in {self.training_state.name}"
-                               f"{', reduce-scatters in flight' if self._pending else ''})")
+            raise RuntimeError(
+                f"paused_hooks: call it between steps (the engine is in {self.training_state.name}"
+                f"{', reduce-scatters in flight' if self._pending else ''})"
+            )
         self.release_all(keep_persistent=False)
         self._close_pass()
         self._depth = 0
@@ -433,7 +445,9 @@ class ZeroState:
 
     def _prefetch(self, upcoming: list[ZeroUnit]) -> None:
         budget = self.prefetch_budget
-        live = sum(g.world * g.shard_numel for g in self.groups if not g.persistent and g.status is not GroupState.SHARDED)
+        live = sum(
+            g.world * g.shard_numel for g in self.groups if not g.persistent and g.status is not GroupState.SHARDED
+        )
         for unit in upcoming:
             if budget <= 0:
                 return

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from zlightning.kernels._aio import aligned_empty
-
 from zlightning.zero._offload_config import IO_ALIGNMENT, NVMeOffload
 from zlightning.zero._swap_io import SwapDirectory, SwapIO, SwapSpaceError, make_swap_io
 

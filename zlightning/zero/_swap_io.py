@@ -163,8 +163,14 @@ def check_swap_path(policy: NVMeOffload, needed_bytes: int) -> tuple[Path, bool]
             )
     free = shutil.disk_usage(root).free
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine
-        log.info("NVMe offload: swap files go to %s, on %s; %.1f GiB free, %.2f GiB needed%s", root,
-                 describe_filesystem(root), free / 2**30, needed_bytes / 2**30, "" if direct else " (buffered I/O)")
+        log.info(
+            "NVMe offload: swap files go to %s, on %s; %.1f GiB free, %.2f GiB needed%s",
+            root,
+            describe_filesystem(root),
+            free / 2**30,
+            needed_bytes / 2**30,
+            "" if direct else " (buffered I/O)",
+        )
     if needed_bytes > free:
         raise SwapSpaceError(
             f"NVMe offload needs {needed_bytes:,} bytes ({needed_bytes / 2**30:.2f} GiB) of swap files under {root} "
@@ -484,8 +490,16 @@ class _Ticket:
     """One submitted request of a `KernelSwapIO`: the engine's request, the buffer and, for a write, the checksum
     tasks that read the same buffer."""
 
-    def __init__(self, request: Any, write: bool, buf: torch.Tensor, path: str, offset: int, checksums: list[int],
-                 sums: list[Future[None]]) -> None:
+    def __init__(
+        self,
+        request: Any,
+        write: bool,
+        buf: torch.Tensor,
+        path: str,
+        offset: int,
+        checksums: list[int],
+        sums: list[Future[None]],
+    ) -> None:
         self.request = request
         self.write = write
         self.buf = buf
@@ -553,8 +567,10 @@ class KernelSwapIO:
             _verify(path, offset + i * self.block_size, i, chunk, sums[i])
 
     def _verification(self, t: _Ticket) -> list[Future[None]]:
-        return [self._sums.submit(self._verify_request, t.path, t.offset, first, group, t.checksums)
-                for first, group in self._groups(_blocks(t.buf, self.block_size))]
+        return [
+            self._sums.submit(self._verify_request, t.path, t.offset, first, group, t.checksums)
+            for first, group in self._groups(_blocks(t.buf, self.block_size))
+        ]
 
     def done(self, ticket: _Ticket) -> bool:
         """Whether ``ticket``'s request (and, for a write, its checksums) completed; never blocks."""
@@ -633,8 +649,13 @@ def make_swap_io(policy: NVMeOffload, direct: bool) -> SwapIO:
 
     backend = {"auto": "auto", "kernels": "native", "portable": "python"}[policy.io_engine]
     try:
-        engine = DeepSpeedIOEngine(block_size=policy.block_size, queue_depth=policy.queue_depth,
-                                   intra_op_parallelism=policy.io_threads, o_direct=direct, backend=backend)
+        engine = DeepSpeedIOEngine(
+            block_size=policy.block_size,
+            queue_depth=policy.queue_depth,
+            intra_op_parallelism=policy.io_threads,
+            o_direct=direct,
+            backend=backend,
+        )
     except RuntimeError as err:
         raise RuntimeError(f"NVMeOffload(io_engine={policy.io_engine!r}): {err}") from err
     return KernelSwapIO(engine, policy.block_size, policy.io_threads)

@@ -20,7 +20,13 @@ from torch.utils._pytree import tree_flatten
 from zlightning.zero._param_group import GroupState, ZeroParamGroup
 
 __all__ = [
-    "ParamOwners", "UnitHooks", "UnitPolicy", "ZeroUnit", "assign_owners", "deepest_common_unit", "select_unit_modules",
+    "ParamOwners",
+    "UnitHooks",
+    "UnitPolicy",
+    "ZeroUnit",
+    "assign_owners",
+    "deepest_common_unit",
+    "select_unit_modules",
 ]
 
 UnitPolicy = Callable[[str, nn.Module], bool]
