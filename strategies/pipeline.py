@@ -277,7 +277,7 @@ class PipelineStrategy(LaunchedParallelStrategy):
             self.engine = PipelineEngine(pipe, None, config, num_stages=self.grid().pp, device=self.root_device)
             if config.tensor_parallel_size > 1:
                 metrics_to_group(self.lightning_module, self.engine.groups.data)
-        pipe.runner = self.engine  # (again, after a teardown: fit then predict with one Trainer)
+        pipe.set_driver(self.engine)  # (again, after a teardown: fit then predict with one Trainer)
         self.engine.loss_scale_factor = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.engine.stash_gradients = True  # see [Note: gradients across Lightning's zero_grad] in zlightning.pipe
         self.model_to_device()
@@ -314,7 +314,7 @@ class PipelineStrategy(LaunchedParallelStrategy):
     @override
     def teardown(self) -> None:
         if self.engine is not None:
-            self.engine.module.runner = None
+            self.engine.module.set_driver(None)
         plugin = self._precision_plugin
         if isinstance(plugin, PipelinePrecision):
             plugin.engine = None

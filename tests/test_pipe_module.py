@@ -243,3 +243,41 @@ def test_single_process_checkpoint_and_cli_consolidation(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="without parameter names .* load_optimizer=False"):
         load_pipeline_checkpoint(again, tmp_path / "ckpt")
     load_pipeline_checkpoint(again, tmp_path / "ckpt", load_optimizer=False)  # weights still load
+
+
+def test_module_knows_only_its_driver_and_the_stage_runs_with_its_context() -> None:
+    """The engine drives a ``PipelineStage``; the module only routes ``batch_loss``/``predict`` to whatever
+    ``PipelineDriver`` is registered, and runs its layers in this process without one."""
+    layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 1)]
+    module = PipelineModule(layers, loss_fn=nn.functional.mse_loss, activation_checkpoint_interval=1)
+    engine = PipelineEngine(module, None, PipelineConfig(micro_batches=2))
+    assert engine.stage.module is module and engine.stage.chunks == (0,) and engine.p2p is engine.stage.p2p
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    calls: list[str] = []
+
+    class Driver:
+        def run_batch(self, batch: object) -> torch.Tensor:
+            calls.append("run_batch")
+            return torch.zeros(())
+
+        def predict(self, inputs: object) -> object:
+            calls.append("predict")
+            return inputs
+
+    module.set_driver(Driver())
+    module.batch_loss((x, y))
+    module.predict(x)
+    assert calls == ["run_batch", "predict"]
+    module.set_driver(None)
+    torch.testing.assert_close(module.batch_loss((x, y)), nn.functional.mse_loss(module(x), y))
+    entered: list[int] = []
+
+    class Counting:
+        def __enter__(self) -> None:
+            entered.append(1)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    module.run_stage(0, x.requires_grad_(), context=Counting).sum().backward()  # checkpointed: entered on recompute
+    assert len(entered) == 1 + 2 + 2  # one pass around the blocks, each block's forward and its recomputation

@@ -8,9 +8,9 @@ at the end of the schedule and the strategy's ``backward`` adds them back (``res
 
 [Note: one batch]
 ``train_batch`` pulls ``micro_batches`` items ``(inputs, labels)`` from the iterator (or splits one batch along dim 0),
-runs this rank's lowered schedule (``BatchRun``), then: all-reduces tied gradients across the owning stages, averages
-gradients over the data-parallel group, clips by the global norm of the whole model, steps the optimizer (ZeRO-1:
-only owned parameters, then broadcast), and zeroes gradients. Every micro-batch loss is scaled by
+runs this rank's lowered schedule (``BatchRun``) on its ``PipelineStage``, then: all-reduces tied gradients across
+the owning stages, averages gradients over the data-parallel group, clips by the global norm of the whole model, steps
+the optimizer (ZeRO-1: only owned parameters, then broadcast), and zeroes gradients. Every micro-batch loss is scaled by
 ``1 / (micro_batches * accumulation)`` before backward, so gradients are those of the mean loss of the global batch,
 equal to a one-process run on the concatenated batch. The returned loss is the mean over micro-batches and
 data-parallel replicas, identical on every rank.
@@ -57,6 +57,7 @@ from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
 from zlightning.pipe._schedule import Placement, Schedule, build_schedule
+from zlightning.pipe._stage import PipelineStage
 from zlightning.inject import InjectPolicy
 from zlightning.pipe._tensor import shard_stage
 from zlightning.pipe._topology import PipeGrid, PipeGroups
@@ -256,14 +257,13 @@ class PipelineEngine:
                 lambda: shard_stage(module, tp, config.tp_policy, groups.tensor, groups.pipe, device), device
             )
         self._inputs_checked = tp == 1
-        self.p2p = P2P(self.device, stages={r: s for s, r in enumerate(self.grid.pipe_ranks(self.grid.dp_rank,
-                                                                                         self.grid.tp_rank))})
-        self.zero: StageSharding | None = None
-        """ZeRO-2/3 engines of this rank's stage(s); see [Note: ZeRO inside a pipeline stage]."""
+        peers = self.grid.pipe_ranks(self.grid.dp_rank, self.grid.tp_rank)
+        p2p = P2P(self.device, stages={r: s for s, r in enumerate(peers)})
+        self.stage = PipelineStage(module, self.grid.stage, peers, p2p, self.device)
+        """This rank's chunk(s), channel and ZeRO engines; see [Note: stage, engine and module] in ``_stage.py``."""
         self._sync_replicas()
         if config.zero_stage >= 2:
-            self.zero = StageSharding(module, 3 if config.zero_stage == 3 else 2, self.groups.data, self.device)
-            module.layer_context = self.zero.forward_pass
+            self.stage.zero = StageSharding(module, 3 if config.zero_stage == 3 else 2, self.groups.data, self.device)
         self.optimizer: torch.optim.Optimizer | None = (
             optimizer(module.parameters()) if is_factory else optimizer  # type: ignore[operator,assignment,misc]
         )
@@ -289,9 +289,19 @@ class PipelineEngine:
         self.data_iterator: Iterator[Any] | None = None
         """What ``train_batch()`` pulls from when called without ``data_iter`` (DeepSpeed's ``data_iterator``)."""
         self._eval_schedules: dict[int, Schedule] = {config.micro_batches: self.eval_schedule}
-        module.runner = self
+        module.set_driver(self)  # batch_loss/predict run the schedule; see [Note: who runs a claimed module]
 
     # ------------------------------------------------------------------------------------------ setup
+    @property
+    def p2p(self) -> P2P:
+        """The stage's point-to-point channel."""
+        return self.stage.p2p
+
+    @property
+    def zero(self) -> StageSharding | None:
+        """ZeRO-2/3 engines of this rank's stage(s); see [Note: ZeRO inside a pipeline stage]. None below stage 2."""
+        return self.stage.zero
+
     @property
     def is_last_stage(self) -> bool:
         """Whether this rank holds the model's last stage (the loss): pipeline rank ``P - 1``, or rank 0 in the V
@@ -348,14 +358,12 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------------------ schedule runs
     def _run(self, schedule: Schedule, inputs: list[Any], labels: list[Any], *, keep: bool, with_loss: bool) -> BatchRun:
-        peers = self.grid.pipe_ranks(self.grid.dp_rank, self.grid.tp_rank)
         if not self._inputs_checked:
             self._check_tp_inputs(inputs, labels)
         run = BatchRun(
-            self.module, schedule, self.grid.stage, self.p2p, peers,
-            [_to(x, self.device) for x in inputs], [_to(y, self.device) for y in labels],
+            self.stage, schedule, [_to(x, self.device) for x in inputs], [_to(y, self.device) for y in labels],
             loss_scale=self.loss_scale_factor * self.loss_scale / schedule.num_microbatches, keep_outputs=keep, with_loss=with_loss,
-            timings=self.timings, zero=self.zero,
+            timings=self.timings,
         )
         run.run()
         if self.zero is not None and not schedule.training:
@@ -587,17 +595,17 @@ class PipelineEngine:
         Call after ``reduce_gradients``. Returns the norm; see [Note: global norm over shards and model-parallel
         groups] in ``zlightning/_gradnorm.py``."""
         skip = self._tied_duplicates()
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        counted = [p for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+        held = [(id(p), p.grad) for p in self.module.parameters() if p.grad is not None]
+        counted = [(i, g) for i, g in held if i not in skip]
         partitioned = [self.groups.data if self.zero is not None else None, self.groups.pipe]  # ZeRO-2/3: slices
         norm = _gradnorm.global_norm(
-            [p.grad for p in counted if id(p) in self.tp_split],
-            [p.grad for p in counted if id(p) not in self.tp_split],
+            [g for i, g in counted if i in self.tp_split],
+            [g for i, g in counted if i not in self.tp_split],
             partitioned_over=[g for g in partitioned if g is not None],
             model_parallel=self.groups.tensor if self.grid.tp > 1 else None,
             device=self.device,
         )
-        _gradnorm.clip_(grads, norm, max_norm)
+        _gradnorm.clip_([g for _, g in held], norm, max_norm)
         return norm
 
     @property

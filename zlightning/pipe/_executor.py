@@ -18,10 +18,9 @@ from typing import Any
 import torch
 
 from zlightning.pipe._backward import DeferredWeights, backward_input, backward_weight
-from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, Incoming, IncomingGrads, TensorMeta, flatten, unflatten
 from zlightning.pipe._schedule import Action, ActionKind, Schedule
-from zlightning.pipe._zero import StageSharding
+from zlightning.pipe._stage import PipelineStage
 
 __all__ = ["BatchRun", "describe"]
 
@@ -42,13 +41,9 @@ def _detach_boundary(obj: Any) -> Any:
 class BatchRun:
     """State of one batch on one rank: inputs, outputs and gradients per ``(stage, micro-batch)``."""
 
-    module: PipelineModule
+    stage: PipelineStage
+    """This rank's chunk(s) and channel; see [Note: stage, engine and module] in ``_stage.py``."""
     schedule: Schedule
-    rank: int
-    """This rank's pipeline index."""
-    p2p: P2P
-    peers: list[int]
-    """Global rank of each pipeline index."""
     inputs: list[Any]
     """Micro-batch inputs (used by stage 0)."""
     labels: list[Any]
@@ -59,9 +54,6 @@ class BatchRun:
     """Keep the last stage's outputs (prediction, ``return_logits``)."""
     with_loss: bool = True
     """Compute the loss on the last stage (False for prediction)."""
-    zero: StageSharding | None = None
-    """ZeRO-2/3 engines of this rank: only the rank's last backward of the batch reduce-scatters (see
-    [Note: ZeRO inside a pipeline stage] in ``_zero.py``)."""
     timings: list[tuple[str, float, float]] | None = None
     """If a list, each compute action appends ``(action, start, end)`` (``time.perf_counter``; CPU clocks, so on CUDA
     the spans cover launch time unless the device is synchronised). Used by the benchmark's bubble measurement."""
@@ -85,6 +77,15 @@ class BatchRun:
     @property
     def last(self) -> int:
         return self.schedule.num_stages - 1
+
+    @property
+    def rank(self) -> int:
+        """This rank's pipeline index."""
+        return self.stage.rank
+
+    @property
+    def p2p(self) -> P2P:
+        return self.stage.p2p
 
     def run(self) -> None:
         handlers = {
@@ -156,7 +157,7 @@ class BatchRun:
         return posted[1]
 
     def _peer(self, stage: int) -> int:
-        return self.peers[self.schedule.rank_of(stage)]
+        return self.stage.peers[self.schedule.rank_of(stage)]
 
     # ---------------------------------------------------------------------------------------- forward
     def _forward(self, a: Action) -> None:
@@ -171,9 +172,9 @@ class BatchRun:
         if s == 0:
             self._x[(s, m)] = x
         try:
-            y = self.module.run_stage(s, x)
+            y = self.stage.forward(s, x)
         except Exception as e:
-            layers = self.module.stage_layers(s)
+            layers = self.stage.layers(s)
             raise RuntimeError(
                 f"pipeline stage {s} (layers {layers.start}..{layers.stop - 1}) failed in the forward of micro-batch "
                 f"{m} with {describe(x) or 'no tensor inputs'}: {type(e).__name__}: {e}. Check that the previous stage's "
@@ -181,7 +182,7 @@ class BatchRun:
             ) from e
         if s == self.last:
             if self.with_loss:
-                loss = self.module.compute_loss(y, self.labels[m])
+                loss = self.stage.compute_loss(y, self.labels[m])
                 self._loss[m] = loss
                 self.losses.append(loss.detach())
             if self.keep_outputs:
@@ -226,8 +227,8 @@ class BatchRun:
         x = self._x.pop((s, m))
         ins = [t for t in flatten(x)[0] if t.requires_grad and t.is_floating_point()] if s > 0 else []
         self._backwards_left -= 1
-        if self.zero is not None:
-            self.zero.set_gradient_sync(self._backwards_left == 0)
+        if self.stage.zero is not None:  # only the rank's last backward of the batch reduce-scatters
+            self.stage.zero.set_gradient_sync(self._backwards_left == 0)
         if (s, m) in self._split:  # see [Note: split backward] in _schedule.py
             self._weights[(s, m)] = backward_input(wanted, grads, ins) if wanted else None
         elif wanted:

@@ -24,6 +24,13 @@ With ``seed_layers=True`` (the default here, DeepSpeed's default is False) layer
 ``torch.manual_seed(base_seed + i)`` inside a forked RNG, so its initial weights do not depend on which rank builds
 it or how the model is split: a pipeline run starts from exactly the weights of a one-process run, and resharding to
 another stage count changes nothing numerically. A tie group is seeded by its first position.
+
+[Note: who runs a claimed module]
+The module does not know the pipeline engine (see [Note: stage, engine and module] in ``_stage.py``). Its
+``batch_loss``/``predict`` need one, though: a LightningModule returns ``self.pipe.batch_loss(batch)`` and the whole
+schedule must run there. Whatever drives the module registers itself with ``set_driver`` as a ``PipelineDriver``
+(two calls: ``run_batch`` and ``predict``) and unregisters with ``set_driver(None)``; without a driver both run the
+layers in this process.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import contextlib
 import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -44,7 +51,22 @@ from zlightning.pipe._spec import LayerSpec, TiedLayerSpec
 __all__ = ["PipelineModule"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+LayerContext = Callable[[], AbstractContextManager[Any]]
+"""Entered around every run of a stage's layers, recomputation included (ZeRO stages gather their parameters)."""
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class PipelineDriver(Protocol):
+    """What runs the batches of a claimed ``PipelineModule`` (``PipelineEngine``); see
+    [Note: who runs a claimed module]."""
+
+    def run_batch(self, batch: Any) -> torch.Tensor:
+        """Mean loss of ``(inputs, labels)`` (backward included when training), the same on every rank."""
+        ...
+
+    def predict(self, inputs: Any) -> Any:
+        """Outputs of the last layer for ``inputs``, on every rank."""
+        ...
 
 
 def _layer_name(layer: Any) -> str:
@@ -105,9 +127,7 @@ class PipelineModule(nn.Module):
         self.bounds: list[int] | None = None  # num_stages_total + 1 boundaries, set by build
         self.local_stages: tuple[int, ...] = ()
         self._funcs: dict[int, Callable[[Any], Any]] = {}
-        self.runner: Any = None  # the PipelineEngine driving this module (batch_loss/predict go through it)
-        self.layer_context: Callable[[], AbstractContextManager[Any]] | None = None
-        """Entered around every run of local layers, recomputation included (ZeRO stages gather their parameters)."""
+        self._driver: PipelineDriver | None = None  # see [Note: who runs a claimed module]
         self._claimed = False  # a pipeline engine or strategy builds it; see [Note: building without a pipeline]
         self._auto_built = False  # built whole by _ensure_built (discarded by a later build for a real split)
         self._building = False
@@ -308,23 +328,24 @@ class PipelineModule(nn.Module):
                 return True
         return False
 
-    def run_stage(self, stage: int, x: Any) -> Any:
-        """Applies the layers of ``stage`` to ``x`` (with activation checkpointing when enabled and training)."""
+    def run_stage(self, stage: int, x: Any, *, context: LayerContext | None = None) -> Any:
+        """Applies the layers of ``stage`` to ``x`` (with activation checkpointing when enabled and training),
+        inside ``context()`` if given (entered again around each recomputation)."""
         indices = list(self.stage_layers(stage))
         k = self.activation_checkpoint_interval
         if k <= 0 or not (self.training and torch.is_grad_enabled()):
-            return self._run(indices, x)
-        with self.layer_context() if self.layer_context is not None else contextlib.nullcontext():  # one pass
+            return self._run(indices, x, context)
+        with context() if context is not None else contextlib.nullcontext():  # one pass
             for start in range(0, len(indices), k):
                 block = indices[start : start + k]
                 if self._checkpointable(block):
-                    x = checkpoint(self._run, block, x, use_reentrant=False)
+                    x = checkpoint(self._run, block, x, context, use_reentrant=False)
                 else:
-                    x = self._run(block, x)
+                    x = self._run(block, x, context)
         return x
 
-    def _run(self, indices: Sequence[int], x: Any) -> Any:
-        with self.layer_context() if self.layer_context is not None else contextlib.nullcontext():
+    def _run(self, indices: Sequence[int], x: Any, context: LayerContext | None = None) -> Any:
+        with context() if context is not None else contextlib.nullcontext():
             for idx in indices:
                 x = self._funcs[idx](x)
         return x
@@ -359,18 +380,23 @@ class PipelineModule(nn.Module):
             )
         return loss.reshape(())
 
+    def set_driver(self, driver: PipelineDriver | None) -> None:
+        """Routes ``batch_loss``/``predict`` through ``driver`` (None: run in this process); see
+        [Note: who runs a claimed module]."""
+        self._driver = driver
+
     def batch_loss(self, batch: Any) -> torch.Tensor:
-        """Mean loss of a batch ``(inputs, labels)``: runs the attached engine's schedule (training schedule with the
+        """Mean loss of a batch ``(inputs, labels)``: runs the driving engine's schedule (training schedule with the
         backward pass included when grad mode is on and the module is training, else the inference schedule); on a
         one-stage module without an engine, a plain forward. The value is the same on every rank."""
-        if self.runner is not None:
-            return self.runner.run_batch(batch)
+        if self._driver is not None:
+            return self._driver.run_batch(batch)
         inputs, labels = batch
         return self.compute_loss(self(inputs), labels)
 
     def predict(self, inputs: Any) -> Any:
         """Outputs of the last layer for ``inputs`` (inference schedule), returned on every rank."""
-        if self.runner is not None:
-            return self.runner.predict(inputs)
+        if self._driver is not None:
+            return self._driver.predict(inputs)
         with torch.no_grad():
             return self(inputs)
