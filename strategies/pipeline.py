@@ -53,13 +53,13 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+from zlightning.strategies._base import LaunchedParallelStrategy
+from zlightning.strategies._groups import metrics_to_group
+from zlightning.strategies._weights_only import requested_weights_only
 
 from zlightning.pipe import PipeGrid, PipelineConfig, PipelineEngine, PipelineModule
 from zlightning.pipe._checkpoint import is_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
 from zlightning.pipe._partition import layer_weights
-from zlightning.strategies._base import LaunchedParallelStrategy
-from zlightning.strategies._groups import metrics_to_group
-from zlightning.strategies._weights_only import requested_weights_only
 from zlightning.zero import LossScalerConfig
 
 __all__ = ["PipelinePrecision", "PipelineStrategy"]
@@ -129,7 +129,9 @@ class PipelinePrecision(Precision):
         return result
 
     @override
-    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
+    def optimizer_step(
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:  # type: ignore[override]
         engine = self._engine()
         if engine.scaler is None:
             out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
@@ -189,12 +191,22 @@ class PipelineStrategy(LaunchedParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         tensor_parallel_size: int = 1,
     ) -> None:
-        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-                         process_group_backend, timeout, start_method)
+        super().__init__(
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+            process_group_backend,
+            timeout,
+            start_method,
+        )
         if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
             raise ValueError(f"PipelineStrategy(num_stages=...) must be None or an int >= 1, got {num_stages!r}")
         if config is not None and (micro_batches != 4 or schedule != "1f1b"):
-            raise ValueError("PipelineStrategy: give either config=PipelineConfig(...) or micro_batches=/schedule=, not both")
+            raise ValueError(
+                "PipelineStrategy: give either config=PipelineConfig(...) or micro_batches=/schedule=, not both"
+            )
         self.config = config if config is not None else PipelineConfig(micro_batches=micro_batches, schedule=schedule)
         if tensor_parallel_size != 1:
             if self.config.tensor_parallel_size not in (1, tensor_parallel_size):
@@ -358,13 +370,17 @@ class PipelineStrategy(LaunchedParallelStrategy):
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
         if len(self.optimizers) > 1:
-            raise ValueError(f"zstack_pipeline supports one optimizer, configure_optimizers returned {len(self.optimizers)}")
+            raise ValueError(
+                f"zstack_pipeline supports one optimizer, configure_optimizers returned {len(self.optimizers)}"
+            )
         return self.optimizers[0] if self.optimizers else None
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.engine is None or not is_pipeline_checkpoint(checkpoint_path):
-            raise ValueError(f"zstack_pipeline resumes only from its own checkpoint directories; {checkpoint_path} is not one")
+            raise ValueError(
+                f"zstack_pipeline resumes only from its own checkpoint directories; {checkpoint_path} is not one"
+            )
         weights_only = requested_weights_only(weights_only)  # see [Note: Lightning's weights_only after setup]
         client = load_pipeline_checkpoint(self.engine, checkpoint_path, self._optimizer(), weights_only=weights_only)
         client["state_dict"] = {}
@@ -381,4 +397,6 @@ class PipelineStrategy(LaunchedParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="Pipeline parallelism (x data parallelism, ZeRO-1)")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Pipeline parallelism (x data parallelism, ZeRO-1)"
+        )

@@ -38,13 +38,19 @@ def make_sgd(params: Any) -> torch.optim.Optimizer:
     """SGD for the loss-scaling tests: unlike Adam its step is not invariant to the gradients' scale, so a wrong
     unscale would show in the weights."""
     return torch.optim.SGD(params, lr=SGD_LR, momentum=0.9)
+
+
 """Scale 1024, doubled after every 2 clean steps; step 3 (0-based) overflows on one rank only."""
 PL_STEPS, PL_BATCH = 3, 8
 
 
 def scaled_reference(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], dp: int, config: LossScalerConfig, poison_step: int | None,
-    autocast: bool = False, clip: float = CLIP,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dp: int,
+    config: LossScalerConfig,
+    poison_step: int | None,
+    autocast: bool = False,
+    clip: float = CLIP,
 ) -> dict[str, Any]:
     """One process, whole model, the pipeline's arithmetic (per-replica micro-batch accumulation, replica average) with
     the loss scaled by the current scale, gradients unscaled, the step skipped and the scale updated on overflow."""
@@ -91,7 +97,9 @@ def _replica_batch(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor) -> 
 
 
 def rank_scaled(rank: int, ckpt: Path, schedule: str = "1f1b") -> dict[str, Any]:
-    config = PipelineConfig(micro_batches=MICRO, zero_stage=1, gradient_clipping=CLIP, loss_scaler=SCALER, schedule=schedule)  # type: ignore[arg-type]
+    config = PipelineConfig(
+        micro_batches=MICRO, zero_stage=1, gradient_clipping=CLIP, loss_scaler=SCALER, schedule=schedule
+    )  # type: ignore[arg-type]
     module = gpt_pipeline(CFG, num_stages=2)
     engine = PipelineEngine(module, make_sgd, config)
     poison = [False]
@@ -115,7 +123,9 @@ def rank_scaled(rank: int, ckpt: Path, schedule: str = "1f1b") -> dict[str, Any]
 def rank_regrid(rank: int, ckpt: Path) -> dict[str, Any]:
     """ZeRO-1 on DP2 x PP2 for 3 steps, checkpoint, one more step; the same step after reloading on other grids."""
     batches = data(4, seed=13)
-    engine = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO, zero_stage=1))
+    engine = PipelineEngine(
+        gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO, zero_stage=1)
+    )
     for x, y in batches[:3]:
         engine.train_batch(batch=_replica_batch(engine, x, y))
     save_pipeline_checkpoint(engine, ckpt)
@@ -157,7 +167,9 @@ class Fp16GPT(pl.LightningModule):
 
 
 def _pl_ids() -> torch.Tensor:
-    return torch.randint(0, CFG.vocab_size, (PL_STEPS * PL_BATCH, CFG.seq_len + 1), generator=torch.Generator().manual_seed(17))
+    return torch.randint(
+        0, CFG.vocab_size, (PL_STEPS * PL_BATCH, CFG.seq_len + 1), generator=torch.Generator().manual_seed(17)
+    )
 
 
 def rank_lightning_fp16(world: int) -> dict[str, Any]:
@@ -165,13 +177,30 @@ def rank_lightning_fp16(world: int) -> dict[str, Any]:
 
     pl.seed_everything(0, verbose=False)
     module = Fp16GPT()
-    strategy = PipelineStrategy(num_stages=2, config=PipelineConfig(micro_batches=MICRO, loss_scaler=LossScalerConfig(initial_scale_power=12, loss_scale_window=2)))
+    strategy = PipelineStrategy(
+        num_stages=2,
+        config=PipelineConfig(
+            micro_batches=MICRO, loss_scaler=LossScalerConfig(initial_scale_power=12, loss_scale_window=2)
+        ),
+    )
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_epochs=1, precision="16-mixed", gradient_clip_val=CLIP,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        precision="16-mixed",
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(TensorDataset(_pl_ids()), batch_size=PL_BATCH // 2))
-    return {"losses": module.losses, "scales": module.scales, "state": {k.removeprefix("pipe."): v.detach().clone() for k, v in module.state_dict().items()}}
+    return {
+        "losses": module.losses,
+        "scales": module.scales,
+        "state": {k.removeprefix("pipe."): v.detach().clone() for k, v in module.state_dict().items()},
+    }
 
 
 def rank_main(rank: int, world: int, scaled_ckpt: str, regrid_ckpt: str) -> dict[str, Any]:
@@ -194,7 +223,9 @@ def _scaled_ref() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("key", ["scaled", "scaled_zb_h1"])
-def test_loss_scaling_matches_single_process_and_overflow_skips_everywhere(runs: list[dict[str, Any]], key: str) -> None:
+def test_loss_scaling_matches_single_process_and_overflow_skips_everywhere(
+    runs: list[dict[str, Any]], key: str
+) -> None:
     ref = _scaled_ref()
     assert ref["scales"] == [1024.0, 1024.0, 2048.0, 2048.0, 1024.0]  # the schedule really moves: up, then halved
     for r in (x[key] for x in runs):
@@ -211,12 +242,22 @@ def test_loss_scaling_matches_single_process_and_overflow_skips_everywhere(runs:
 
 def test_lightning_16_mixed_matches_fp16_reference(runs: list[dict[str, Any]]) -> None:
     ids, per = _pl_ids(), PL_BATCH // 2
-    orders = [list(DistributedSampler(TensorDataset(ids), num_replicas=2, rank=d, shuffle=True, seed=0)) for d in range(2)]
+    orders = [
+        list(DistributedSampler(TensorDataset(ids), num_replicas=2, rank=d, shuffle=True, seed=0)) for d in range(2)
+    ]
     batches = []
-    for s in range(PL_STEPS):  # Lightning's sampler: replica d reads orders[d]; the reference splits the batch in halves
+    for s in range(
+        PL_STEPS
+    ):  # Lightning's sampler: replica d reads orders[d]; the reference splits the batch in halves
         rows = torch.cat([ids[o[s * per : (s + 1) * per]] for o in orders])
         batches.append((rows[:, :-1], rows[:, 1:]))
-    ref = scaled_reference(batches, dp=2, config=LossScalerConfig(initial_scale_power=12, loss_scale_window=2), poison_step=None, autocast=True)
+    ref = scaled_reference(
+        batches,
+        dp=2,
+        config=LossScalerConfig(initial_scale_power=12, loss_scale_window=2),
+        poison_step=None,
+        autocast=True,
+    )
     fp16_tol = {"rtol": 1e-3, "atol": 1e-5}
     for r in (x["lightning"] for x in runs):
         assert r["scales"] == ref["scales"]
@@ -231,7 +272,7 @@ def test_lightning_16_mixed_matches_fp16_reference(runs: list[dict[str, Any]]) -
 
 def test_zero1_optimizer_state_reloads_on_another_grid(runs: list[dict[str, Any]]) -> None:
     for r in (x["regrid"] for x in runs):
-        assert 0 < r["n_state_saved"]
+        assert r["n_state_saved"] > 0
         # PP4: all of this rank's parameters get state (no ZeRO there); DP2 x PP2 without ZeRO: the whole stage's
         assert r["pp4_n_state"] == r["pp4_n_params"] and r["dp2pp2_no_zero_n_state"] == r["dp2pp2_no_zero_n_params"]
         assert r["pp4_weights_only_n_state"] == 0

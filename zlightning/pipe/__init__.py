@@ -3,7 +3,11 @@
 schedule (``train_batch``/``eval_batch``): GPipe, 1F1B, interleaved 1F1B, or the zero-bubble ``zb_h1``/``zbv``, with
 ZeRO-1, or ZeRO-2/3 inside the stages (``PipelineConfig(zero_stage=3)``)."""
 
-from zlightning.pipe._checkpoint import consolidate_pipeline_checkpoint, load_pipeline_checkpoint, save_pipeline_checkpoint
+from zlightning.pipe._checkpoint import (
+    consolidate_pipeline_checkpoint,
+    load_pipeline_checkpoint,
+    save_pipeline_checkpoint,
+)
 from zlightning.pipe._engine import PipelineConfig, PipelineEngine
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._schedule import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, timeline

@@ -103,7 +103,8 @@ def _walk(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
 
 def _weight_edges(node: Node, graph: _Graph) -> list[tuple[Node, int]]:
     return [
-        (child, nr) for child, nr in node.next_functions
+        (child, nr)
+        for child, nr in node.next_functions
         if child is not None and child in graph.to_param and child not in graph.to_input
     ]
 

@@ -63,7 +63,12 @@ import torch.distributed as dist
 from zlightning._safe_load import LIGHTNING_OPT_IN, join_client_state, load_file, split_client_state
 from zlightning.pipe._engine import PipelineEngine
 
-__all__ = ["consolidate_pipeline_checkpoint", "is_pipeline_checkpoint", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
+__all__ = [
+    "consolidate_pipeline_checkpoint",
+    "is_pipeline_checkpoint",
+    "load_pipeline_checkpoint",
+    "save_pipeline_checkpoint",
+]
 
 _FORMAT = "zlightning-pipeline-v1"
 _OPTIM_RE = re.compile(r"^optim_pp(\d+)_dp(\d+)\.pt$")
@@ -111,7 +116,10 @@ def _check_tp(engine: PipelineEngine, path: Path, meta: dict[str, Any]) -> None:
 
 
 def save_pipeline_checkpoint(
-    engine: PipelineEngine, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, client_state: dict[str, Any] | None = None
+    engine: PipelineEngine,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    client_state: dict[str, Any] | None = None,
 ) -> None:
     """Writes ``engine``'s model (and ``optimizer``, default ``engine.optimizer``) to directory ``path``. Collective.
 
@@ -142,8 +150,16 @@ def save_pipeline_checkpoint(
         if zero is None or grid.dp_rank == 0:  # see [Note: ZeRO-2/3 checkpoints]
             torch.save(optim, path / _optim_file(grid.stage, grid.dp_rank, grid.tp, grid.tp_rank))
     if grid.rank == 0:
-        meta = {"format": _FORMAT, "bounds": module.bounds, "pp": grid.pp, "dp": grid.dp, "num_layers": len(module.specs),
-                "zero_stage": engine.config.zero_stage, "tp": grid.tp, "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
+        meta = {
+            "format": _FORMAT,
+            "bounds": module.bounds,
+            "pp": grid.pp,
+            "dp": grid.dp,
+            "num_layers": len(module.specs),
+            "zero_stage": engine.config.zero_stage,
+            "tp": grid.tp,
+            "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
+        }
         torch.save(meta, path / "meta.pt")
         plain, originals = split_client_state(client_state or {})
         torch.save(plain, path / "client_state.pt")
@@ -328,4 +344,3 @@ def consolidate_pipeline_checkpoint(
         for k, v in load_file(f, weights_only=weights_only, opt_in=_CONSOLIDATE_OPT_IN).items():
             out[f"tied_modules.{key}.{k}"] = v
     return out
-

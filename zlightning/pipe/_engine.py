@@ -52,13 +52,13 @@ import torch.distributed as dist
 from torch import nn
 
 from zlightning import _gradnorm
+from zlightning.inject import InjectPolicy
 from zlightning.pipe._executor import BatchRun
 from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
 from zlightning.pipe._schedule import Placement, Schedule, build_schedule
 from zlightning.pipe._stage import PipelineStage
-from zlightning.inject import InjectPolicy
 from zlightning.pipe._tensor import shard_stage
 from zlightning.pipe._topology import PipeGrid, PipeGroups
 from zlightning.pipe._zero import StageSharding
@@ -116,9 +116,13 @@ class PipelineConfig:
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"PipelineConfig: virtual_stages must be None or an int >= 1, got {v!r}")
         if self.schedule == "zbv" and v not in (None, 2):
-            raise ValueError(f"PipelineConfig: schedule='zbv' runs two chunks per rank; virtual_stages={v} must be None or 2")
+            raise ValueError(
+                f"PipelineConfig: schedule='zbv' runs two chunks per rank; virtual_stages={v} must be None or 2"
+            )
         if v not in (None, 1) and self.schedule not in ("interleaved_1f1b", "zbv"):
-            raise ValueError(f"PipelineConfig: virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})")
+            raise ValueError(
+                f"PipelineConfig: virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})"
+            )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"PipelineConfig: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.zero_stage >= 2 and self.schedule in ("zb_h1", "zbv"):
@@ -276,7 +280,9 @@ class PipelineEngine:
             self.zero1 = Zero1Sharding.plan(params, g.dp, g.dp_rank, g.dp_ranks(g.stage, g.tp_rank), self.groups.data)
         self.loss_scale_factor = 1.0
         """Extra loss multiplier (Lightning sets ``1 / accumulate_grad_batches``)."""
-        self.scaler: DynamicLossScaler | None = DynamicLossScaler(config.loss_scaler) if config.loss_scaler is not None else None
+        self.scaler: DynamicLossScaler | None = (
+            DynamicLossScaler(config.loss_scaler) if config.loss_scaler is not None else None
+        )
         """fp16 dynamic loss scale; see [Note: fp16 loss scaling]."""
         self.skipped_steps = 0
         """Optimizer steps skipped because of an fp16 overflow."""
@@ -357,12 +363,19 @@ class PipelineEngine:
             )
 
     # ------------------------------------------------------------------------------------------ schedule runs
-    def _run(self, schedule: Schedule, inputs: list[Any], labels: list[Any], *, keep: bool, with_loss: bool) -> BatchRun:
+    def _run(
+        self, schedule: Schedule, inputs: list[Any], labels: list[Any], *, keep: bool, with_loss: bool
+    ) -> BatchRun:
         if not self._inputs_checked:
             self._check_tp_inputs(inputs, labels)
         run = BatchRun(
-            self.stage, schedule, [_to(x, self.device) for x in inputs], [_to(y, self.device) for y in labels],
-            loss_scale=self.loss_scale_factor * self.loss_scale / schedule.num_microbatches, keep_outputs=keep, with_loss=with_loss,
+            self.stage,
+            schedule,
+            [_to(x, self.device) for x in inputs],
+            [_to(y, self.device) for y in labels],
+            loss_scale=self.loss_scale_factor * self.loss_scale / schedule.num_microbatches,
+            keep_outputs=keep,
+            with_loss=with_loss,
             timings=self.timings,
         )
         run.run()
@@ -389,10 +402,14 @@ class PipelineEngine:
                 loss /= self.grid.dp
         return loss
 
-    def _microbatches(self, batch: Any, data_iter: Iterator[Any] | None, m: int | None = None) -> tuple[list[Any], list[Any]]:
+    def _microbatches(
+        self, batch: Any, data_iter: Iterator[Any] | None, m: int | None = None
+    ) -> tuple[list[Any], list[Any]]:
         m = self.config.micro_batches if m is None else m
         if (batch is None) == (data_iter is None):
-            raise ValueError("pass exactly one of data_iter= (yields micro-batches) or batch= (split into micro-batches)")
+            raise ValueError(
+                "pass exactly one of data_iter= (yields micro-batches) or batch= (split into micro-batches)"
+            )
         if data_iter is not None:
             items = []
             for i in range(m):
@@ -402,9 +419,13 @@ class PipelineEngine:
                     raise ValueError(f"data_iter ran out after {i} of micro_batches={m} items") from None
             return [x for x, _ in items], [y for _, y in items]
         inputs, labels = _unpack(batch)
-        return split_microbatches(inputs, m, "input"), split_microbatches(labels, m, "label") if labels is not None else [None] * m
+        return split_microbatches(inputs, m, "input"), split_microbatches(
+            labels, m, "label"
+        ) if labels is not None else [None] * m
 
-    def forward_backward(self, batch: Any = None, data_iter: Iterator[Any] | None = None, *, _deferred: list[Any] | None = None) -> torch.Tensor:
+    def forward_backward(
+        self, batch: Any = None, data_iter: Iterator[Any] | None = None, *, _deferred: list[Any] | None = None
+    ) -> torch.Tensor:
         """Runs the training schedule (forwards and backwards, gradients accumulate in ``.grad``); no reduction or
         step. Returns the mean loss (same on every rank)."""
         if not torch.is_grad_enabled():
@@ -538,7 +559,9 @@ class PipelineEngine:
 
     def _eval_schedule(self, m: int) -> Schedule:
         if m not in self._eval_schedules:
-            self._eval_schedules[m] = build_schedule("inference", self.grid.pp, m, self.config.chunks_per_rank, self.config.placement)
+            self._eval_schedules[m] = build_schedule(
+                "inference", self.grid.pp, m, self.config.chunks_per_rank, self.config.placement
+            )
         return self._eval_schedules[m]
 
     def _eval_output(self, run: BatchRun, m: int, compute_loss: bool, reduce: str | None, bcast: bool) -> Any:
@@ -566,7 +589,9 @@ class PipelineEngine:
         self.module.eval()
         try:
             m = self.config.micro_batches
-            run = self._run(self.eval_schedule, split_microbatches(inputs, m, "input"), [None] * m, keep=True, with_loss=False)
+            run = self._run(
+                self.eval_schedule, split_microbatches(inputs, m, "input"), [None] * m, keep=True, with_loss=False
+            )
         finally:
             self.module.train(was_training)
         out = [_concat([run.outputs[i] for i in sorted(run.outputs)]) if self.is_last_stage else None]
@@ -655,7 +680,9 @@ class PipelineEngine:
             RuntimeError: ``zero_stage`` is below 2.
         """
         if self.zero is None:
-            raise RuntimeError("PipelineEngine.memory_report() reports ZeRO-2/3 stages; this engine runs zero_stage < 2")
+            raise RuntimeError(
+                "PipelineEngine.memory_report() reports ZeRO-2/3 stages; this engine runs zero_stage < 2"
+            )
         return self.zero.memory_report(self.optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -704,7 +731,9 @@ def _average(values: list[Any], group: dist.ProcessGroup | None, dp: int) -> Any
     """Mean over the micro-batches (tensors, or tuples/lists/dicts of them: element-wise), then over replicas."""
     tensors = [flatten(v)[0] for v in values]
     skeleton = flatten(values[0])[1]
-    mean = [torch.stack([t[i].float() for t in tensors]).mean(0).to(tensors[0][i].dtype) for i in range(len(tensors[0]))]
+    mean = [
+        torch.stack([t[i].float() for t in tensors]).mean(0).to(tensors[0][i].dtype) for i in range(len(tensors[0]))
+    ]
     if group is not None and dp > 1:
         for t in mean:
             dist.all_reduce(t, group=group)

@@ -62,7 +62,9 @@ class Zero1Sharding:
     group: dist.ProcessGroup | None
 
     @staticmethod
-    def plan(params: list[nn.Parameter], dp: int, dp_rank: int, group_ranks: list[int], group: dist.ProcessGroup | None) -> Zero1Sharding:
+    def plan(
+        params: list[nn.Parameter], dp: int, dp_rank: int, group_ranks: list[int], group: dist.ProcessGroup | None
+    ) -> Zero1Sharding:
         load = [0] * dp
         owner = [0] * len(params)
         for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):

@@ -143,7 +143,9 @@ class PipelineModule(nn.Module):
                 raise ValueError(f"PipelineModule: tie key {layer.key!r} of layer {i} must be a Python identifier")
             if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
                 raise ValueError(f"PipelineModule: layer {i} ({layer!r}) is not a LayerSpec, nn.Module or callable")
-        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1):
+        if num_stages is not None and (
+            isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
+        ):
             raise ValueError(f"PipelineModule: num_stages must be None or an int >= 1, got {num_stages!r}")
         if not isinstance(interval, int) or interval < 0:
             raise ValueError(f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {interval!r}")
@@ -241,7 +243,11 @@ class PipelineModule(nn.Module):
             ValueError: the layers cannot be split into ``total_stages``.
         """
         bounds = self.partition(total_stages)
-        if self.bounds is not None and self._auto_built and (self.bounds != bounds or tuple(stages) != self.local_stages):
+        if (
+            self.bounds is not None
+            and self._auto_built
+            and (self.bounds != bounds or tuple(stages) != self.local_stages)
+        ):
             self._discard_auto_build()  # built whole before a pipeline claimed it; see [Note: building without a pipeline]
         if self.bounds is not None:
             if self.bounds != bounds or tuple(stages) != self.local_stages:

@@ -185,7 +185,9 @@ class _Sender:
 
     def _raise(self) -> None:
         error, self.error = self.error, None
-        raise RuntimeError(f"zlightning pipeline: a point-to-point send failed: {type(error).__name__}: {error}") from error
+        raise RuntimeError(
+            f"zlightning pipeline: a point-to-point send failed: {type(error).__name__}: {error}"
+        ) from error
 
 
 @dataclass
@@ -348,7 +350,9 @@ class P2P:
                 bufs.append((dist.irecv(buf, src, group=self.group, tag=_TAG_GRAD), buf))
         return IncomingGrads(src, bufs)
 
-    def recv_grads(self, metas: list[TensorMeta], src: int, incoming: IncomingGrads | None = None) -> list[torch.Tensor]:
+    def recv_grads(
+        self, metas: list[TensorMeta], src: int, incoming: IncomingGrads | None = None
+    ) -> list[torch.Tensor]:
         """Receives one gradient per ``metas`` entry that requires grad, in order (``incoming``: posted ahead)."""
         if incoming is None:
             incoming = self.start_recv_grads(metas, src)

@@ -79,5 +79,7 @@ def layer_weights(method: str, names: Sequence[str], trainable_numel: Sequence[i
             )
         return weights
     if lowered == "profile":
-        raise NotImplementedError("partition_method='profile' is not implemented; use 'parameters', 'uniform' or 'type:REGEX'")
+        raise NotImplementedError(
+            "partition_method='profile' is not implemented; use 'parameters', 'uniform' or 'type:REGEX'"
+        )
     raise ValueError(f"unknown partition_method {method!r}; use 'parameters', 'uniform' or 'type:REGEX'")

@@ -145,11 +145,15 @@ class Schedule:
         if len(self.programs) != self.num_ranks:
             raise ValueError(f"Schedule {self.name}: {len(self.programs)} programs for {self.num_ranks} ranks")
         if self.num_stages % self.num_ranks:
-            raise ValueError(f"Schedule {self.name}: {self.num_stages} stages are not a multiple of {self.num_ranks} ranks")
+            raise ValueError(
+                f"Schedule {self.name}: {self.num_stages} stages are not a multiple of {self.num_ranks} ranks"
+            )
         if self.placement not in ("loop", "v"):
             raise ValueError(f"Schedule {self.name}: placement must be 'loop' or 'v', got {self.placement!r}")
         if self.placement == "v" and self.num_stages != 2 * self.num_ranks:
-            raise ValueError(f"Schedule {self.name}: the 'v' placement needs 2 stages per rank, got {self.num_stages} stages")
+            raise ValueError(
+                f"Schedule {self.name}: the 'v' placement needs 2 stages per rank, got {self.num_stages} stages"
+            )
 
     @property
     def training(self) -> bool:
@@ -227,7 +231,9 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     return Schedule("gpipe", num_ranks, num_ranks, num_microbatches, programs)
 
 
-def inference(num_ranks: int, num_microbatches: int, virtual_stages: int = 1, placement: Placement = "loop") -> Schedule:
+def inference(
+    num_ranks: int, num_microbatches: int, virtual_stages: int = 1, placement: Placement = "loop"
+) -> Schedule:
     """Forward only, stage by stage in micro-batch order (validation and prediction). In the ``"v"`` placement each
     rank runs its forwards in the order they become ready with unit costs (stage + micro-batch), so the turn of
     micro-batch ``m`` does not wait behind the first chunk of every later micro-batch."""
@@ -357,8 +363,11 @@ class _VListScheduler:
     def _choose(self, r: int) -> Action | None:
         t, M = self.clock[r], self.M
         ready_b = [
-            (m, -s) for s in self.stages[r] for m in range(M)
-            if self.f_end.get((s, m), t + 1) <= t and (s, m) not in self.b_end
+            (m, -s)
+            for s in self.stages[r]
+            for m in range(M)
+            if self.f_end.get((s, m), t + 1) <= t
+            and (s, m) not in self.b_end
             and (s == self.S - 1 or self.b_end.get((s + 1, m), t + 1) <= t)
         ]
         if ready_b:
@@ -422,7 +431,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "inference")
 """Names ``build_schedule`` knows."""
 
 
-def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, placement: Placement = "loop") -> Schedule:
+def build_schedule(
+    name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, placement: Placement = "loop"
+) -> Schedule:
     """The lowered, simulated schedule called ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zb_h1``,
     ``zbv``, ``inference``). ``zbv`` has two chunks per rank in the ``"v"`` placement; ``placement`` only matters
     for ``inference``, which must match the training schedule's.
@@ -446,7 +457,9 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_sta
     else:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(repr(n) for n in SCHEDULES)}")
     if name in ("gpipe", "1f1b", "zb_h1") and virtual_stages != 1:
-        raise ValueError(f"schedule {name!r} runs one chunk per rank; use 'interleaved_1f1b' for virtual_stages={virtual_stages}")
+        raise ValueError(
+            f"schedule {name!r} runs one chunk per rank; use 'interleaved_1f1b' for virtual_stages={virtual_stages}"
+        )
     if name == "zbv" and virtual_stages != 2:
         raise ValueError(f"schedule 'zbv' runs two chunks per rank (a V); got virtual_stages={virtual_stages}")
     lowered = add_send_recv(sched)
@@ -506,7 +519,9 @@ def add_send_recv(schedule: Schedule) -> Schedule:
             src = _transfer_source(a, S) if a.kind in _COMPUTE else None
             if src is not None and rank_of(src) != r:
                 queue = channel.get((rank_of(src), r), [])
-                want = Action(a.stage, ActionKind.RECV_F if a.kind is ActionKind.FORWARD else ActionKind.RECV_B, a.microbatch)
+                want = Action(
+                    a.stage, ActionKind.RECV_F if a.kind is ActionKind.FORWARD else ActionKind.RECV_B, a.microbatch
+                )
                 if want not in queue[taken.get((rank_of(src), r), 0) :]:
                     if want not in queue:
                         raise ScheduleError(f"{schedule.name}: rank {r} runs {a} but no rank sends its input")
@@ -518,7 +533,12 @@ def add_send_recv(schedule: Schedule) -> Schedule:
             lowered.append(a)
         programs.append(tuple(lowered))
     return Schedule(
-        schedule.name, schedule.num_ranks, S, schedule.num_microbatches, tuple(programs), lowered=True,
+        schedule.name,
+        schedule.num_ranks,
+        S,
+        schedule.num_microbatches,
+        tuple(programs),
+        lowered=True,
         placement=schedule.placement,
     )
 
@@ -533,7 +553,9 @@ def _check_coverage(schedule: Schedule) -> None:
             if schedule.rank_of(a.stage) != r or not 0 <= a.stage < schedule.num_stages:
                 raise ScheduleError(f"{schedule.name}: rank {r} runs {a}, but stage {a.stage} is not on rank {r}")
             if not 0 <= a.microbatch < schedule.num_microbatches:
-                raise ScheduleError(f"{schedule.name}: rank {r} runs {a} with a micro-batch outside [0, {schedule.num_microbatches})")
+                raise ScheduleError(
+                    f"{schedule.name}: rank {r} runs {a} with a micro-batch outside [0, {schedule.num_microbatches})"
+                )
             if a.kind in _COMPUTE:
                 seen.setdefault((a.stage, a.kind), []).append(a.microbatch)
         kinds = (ActionKind.FORWARD, ActionKind.BACKWARD) if training else (ActionKind.FORWARD,)

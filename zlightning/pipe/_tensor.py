@@ -52,8 +52,9 @@ def _linear_names(view: StageView) -> list[str]:
     return [n for n, m in view.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _local_plan(view: StageView, policy: InjectPolicy, pipe_group: dist.ProcessGroup | None,
-                device: torch.device | str = "cpu") -> dict[str, str]:
+def _local_plan(
+    view: StageView, policy: InjectPolicy, pipe_group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
+) -> dict[str, str]:
     """The plan entries that match a Linear of this stage. Raises on every rank if an entry matches no stage."""
     names = _linear_names(view)
     entries = list(policy.plan.items())
@@ -84,8 +85,14 @@ def _head_entries(view: StageView, names: list[str], plan: dict[str, str]) -> di
     return out
 
 
-def shard_stage(module: PipelineModule, tp_size: int, policy: InjectPolicy | None, tp_group: dist.ProcessGroup,
-                pipe_group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> frozenset[int]:
+def shard_stage(
+    module: PipelineModule,
+    tp_size: int,
+    policy: InjectPolicy | None,
+    tp_group: dist.ProcessGroup,
+    pipe_group: dist.ProcessGroup | None,
+    device: torch.device | str = "cpu",
+) -> frozenset[int]:
     """Makes this rank's (non-tied) layers of ``module`` tensor-parallel over ``tp_group``, in place.
 
     Collective over ``tp_group`` (and ``pipe_group`` when a plan is given; its flags live on ``device``, which must

@@ -134,7 +134,9 @@ class PipeGroups:
                 )
             return PipeGroups(grid, tied_src={k: 0 for k in tie_owners})
         if dist.get_world_size() != grid.world_size:
-            raise ValueError(f"PipeGrid covers {grid.world_size} ranks but the process group has {dist.get_world_size()}")
+            raise ValueError(
+                f"PipeGrid covers {grid.world_size} ranks but the process group has {dist.get_world_size()}"
+            )
         out = PipeGroups(grid)
         me = (grid.stage, grid.dp_rank, grid.tp_rank)
         for d in range(grid.dp):

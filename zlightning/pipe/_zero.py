@@ -76,17 +76,26 @@ class StageSharding:
         self, module: PipelineModule, stage: Literal[2, 3], group: dist.ProcessGroup | None, device: torch.device
     ) -> None:
         if group is None:
-            raise RuntimeError("zero_stage 2/3 in a pipeline needs torch.distributed initialised (the data-parallel group)")
+            raise RuntimeError(
+                "zero_stage 2/3 in a pipeline needs torch.distributed initialised (the data-parallel group)"
+            )
         self.stage = stage
         config = ZeroConfig(
-            stage=stage, param_persistence_threshold=_ALWAYS, model_persistence_threshold=_ALWAYS,
-            sync_module_states=False, host_cache=False,  # replicas are made identical before sharding
+            stage=stage,
+            param_persistence_threshold=_ALWAYS,
+            model_persistence_threshold=_ALWAYS,
+            sync_module_states=False,
+            host_cache=False,  # replicas are made identical before sharding
         )
-        layers = {int(name): m for name, m in module.named_children() if name.isdigit() and any(True for _ in m.parameters())}
+        layers = {
+            int(name): m for name, m in module.named_children() if name.isdigit() and any(True for _ in m.parameters())
+        }
         self.layers_root = _LocalLayers(layers)
         self.layers: ZeroState | None = None
         if layers:
-            self.layers = zero3_shard(self.layers_root, config, process_group=group, device=device, unit_policy=_no_units)
+            self.layers = zero3_shard(
+                self.layers_root, config, process_group=group, device=device, unit_policy=_no_units
+            )
         self.tied: dict[str, ZeroState] = {
             key: zero3_shard(tied, config, process_group=group, device=device, unit_policy=_no_units)
             for key, tied in sorted(module.tied_modules.items())
