@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zlightning-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo demo-short test bench gpu-check clean
+.PHONY: install demo demo-short test lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -32,10 +32,16 @@ demo: $(STAMP)
 demo-short: $(STAMP)
 	$(PY) examples/demo.py --short
 
-test: $(STAMP)
+test: $(STAMP) lint
 	@echo ">> running the test suite"
-	@$(PY) -m pytest -q tests; rc=$$?; \
+	@$(PY) -m pytest -q tests --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+# Lint and formatting over the whole tree (ruff, configured in pyproject.toml); part of `make test`.
+lint: $(STAMP)
+	@echo ">> ruff check and ruff format --check"
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: $(STAMP)
 	@echo ">> side-by-side benchmark: DDP, FSDP2, DeepSpeed ZeRO-3 (separate venv), zstack_zero3"
