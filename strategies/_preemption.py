@@ -55,21 +55,10 @@ PREEMPT_TIMEOUT_ENV = "ZLIGHTNING_PREEMPT_TIMEOUT_S"
 
 
 def preemption_timeout() -> float:
-    """`PREEMPT_TIMEOUT_S`, or the value of ``ZLIGHTNING_PREEMPT_TIMEOUT_S``.
+    """`PREEMPT_TIMEOUT_S`, or the value of ``ZLIGHTNING_PREEMPT_TIMEOUT_S`` (see ``seconds_from_env``)."""
+    from zlightning._watchdog import seconds_from_env
 
-    Raises:
-        ValueError: the variable is not a positive number.
-    """
-    raw = os.environ.get(PREEMPT_TIMEOUT_ENV)
-    if raw is None:
-        return PREEMPT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{PREEMPT_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds, e.g. 60")
-    return value
+    return seconds_from_env(PREEMPT_TIMEOUT_ENV, PREEMPT_TIMEOUT_S)
 
 
 class GracefulStop(Callback):

@@ -96,22 +96,27 @@ class TransferTimeoutError(RuntimeError):
     """A pipeline stage waited `watchdog_timeout` seconds for a message from a peer stage."""
 
 
-def watchdog_timeout() -> float:
-    """`WATCHDOG_TIMEOUT_S`, or the value of ``ZLIGHTNING_WATCHDOG_TIMEOUT_S``.
+def seconds_from_env(name: str, default: float) -> float:
+    """``default``, or the positive number of seconds in the environment variable ``name``.
 
     Raises:
-        ValueError: the variable is not a positive number.
+        ValueError: the variable is set but not a positive number.
     """
-    raw = os.environ.get(WATCHDOG_TIMEOUT_ENV)
+    raw = os.environ.get(name)
     if raw is None:
-        return WATCHDOG_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"{WATCHDOG_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds, e.g. 300")
+        raise ValueError(f"{name}={raw!r}: expected a positive number of seconds, e.g. {default:g}")
     return value
+
+
+def watchdog_timeout() -> float:
+    """`WATCHDOG_TIMEOUT_S`, or the value of ``ZLIGHTNING_WATCHDOG_TIMEOUT_S`` (see `seconds_from_env`)."""
+    return seconds_from_env(WATCHDOG_TIMEOUT_ENV, WATCHDOG_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
