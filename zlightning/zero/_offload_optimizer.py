@@ -229,10 +229,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                 out.append(_SubGroup(g, lo, hi, pieces, swapped, host))
         return out
 
-    def _check_buffers(self) -> bool:
+    def _check_buffers(self) -> None:
+        """Refuses a pool smaller than one sub-group's buffers; warns below three (little overlap)."""
         policy = self.policy
         if not isinstance(policy, NVMeOffload):
-            return False
+            return
         per = len(self.offload.optimizer_state_names())
         if policy.buffer_count < per:
             raise ValueError(
@@ -246,8 +247,6 @@ class OffloadedAdam(torch.optim.Optimizer):
                 "reads, compute and writes. Raise buffer_count to pipeline it.",
                 stacklevel=3,
             )
-            return False
-        return True
 
     # ---------------------------------------------------------------- the step
     def _hypers(self) -> dict[int, tuple[float, float, float, float, float]]:
