@@ -7,6 +7,18 @@ other, which made small reference runs take seconds instead of milliseconds. One
 the same reduction order as the ranks. A test that needs more threads sets them itself.
 """
 
+import os
+
 import torch
 
+from zlightning.testing import set_start_method
+
 torch.set_num_threads(1)
+
+# Ranks of run_distributed fork from a server that imported these once (see [Note: a fork server for test suites]);
+# ZLIGHTNING_TEST_SPAWN=1 starts every rank as a fresh interpreter instead.
+if os.environ.get("ZLIGHTNING_TEST_SPAWN") != "1":
+    set_start_method(
+        "forkserver",
+        preload=["torch", "torch.distributed", "lightning.pytorch", "zlightning.strategies", "zlightning.zero"],
+    )
