@@ -83,7 +83,7 @@ def fixed_progress_bar(bar: ProgressBar | None) -> ProgressBar | None:
     (a user's own bar is left alone) or when there is none."""
     if type(bar) is RichProgressBar:
         return _RichBar(
-            refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme, console_kwargs=bar._console_kwargs
+            refresh_rate=bar._refresh_rate, leave=bar._leave, theme=bar.theme, console_kwargs=bar._console_kwargs
         )
     if type(bar) is TQDMProgressBar:
         return _TQDMBar(refresh_rate=bar.refresh_rate, process_position=bar.process_position, leave=bar._leave)
@@ -158,8 +158,10 @@ def _sharding_lines(trainer: pl.Trainer) -> list[str]:
     stage = getattr(zero, "stage", 3)
     offload = getattr(zero, "offload_optimizer", None)
     where = f", optimizer state offloaded ({type(offload).__name__})" if offload is not None else ""
+    # every registered strategy class sets strategy_name; Lightning's Strategy base does not declare it
+    name: str = strategy.strategy_name  # type: ignore[attr-defined]
     return [
-        f"  {strategy.strategy_name} (ZeRO stage {stage}) over {trainer.world_size} ranks: this rank holds "
+        f"  {name} (ZeRO stage {stage}) over {trainer.world_size} ranks: this rank holds "
         f"{report.param_bytes / 2**20:.2f} MiB of the {report.full_model_bytes / 2**20:.2f} MiB of parameters; "
         f"gradients and optimizer state are sharded alike{where} (largest unit gathered: "
         f"{report.largest_unit_bytes / 2**20:.2f} MiB)"
@@ -271,11 +273,13 @@ def stock_callbacks(trainer: pl.Trainer) -> list[Callback]:
     bar = fixed_progress_bar(trainer.progress_bar_callback)
     if bar is not None:
         callbacks.append(bar)
-    for c in trainer.callbacks:
+    # set on the Trainer by Lightning's callback connector (not declared on the class)
+    present: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    for c in present:
         if type(c) is RichModelSummary:
             callbacks.append(_RichSizeSummary(max_depth=c._max_depth))
         elif type(c) is ModelSummary:
             callbacks.append(ModelSizeSummary(max_depth=c._max_depth))
-    if not any(isinstance(c, RunSummary) for c in trainer.callbacks):
+    if not any(isinstance(c, RunSummary) for c in present):
         callbacks.append(RunSummary())
     return callbacks

@@ -327,7 +327,7 @@ def _strategy_over_config(block: dict[str, Any], name: str) -> Any:
         for f in dataclasses.fields(ZeroConfig)
         if getattr(registered, f.name) != getattr(default, f.name)
     }
-    kept = [
+    kept_knobs = [
         f"zero.{f.name}"
         for f in dataclasses.fields(ZeroConfig)
         if getattr(base.zero, f.name) != getattr(default, f.name) and f.name not in added
@@ -336,7 +336,7 @@ def _strategy_over_config(block: dict[str, Any], name: str) -> Any:
     what = ", ".join(f"zero.{k}={v!r}" for k, v in added.items()) or "nothing"
     _say(
         f"--trainer.strategy={name} applied on top of the config's {cls_name}: added {what}; kept "
-        f"{', '.join(kept) or 'no other knob'} from the config"
+        f"{', '.join(kept_knobs) or 'no other knob'} from the config"
     )
     return base
 

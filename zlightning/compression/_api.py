@@ -27,19 +27,38 @@ DeepSpeed recomputes it).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from zlightning.compression._config import CompressionConfig, HeadPruningConfig, LayerReductionConfig
+from zlightning.compression._config import (
+    ActivationQuantGroup,
+    ActivationQuantizationConfig,
+    ChannelPruningConfig,
+    CompressionConfig,
+    HeadPruningConfig,
+    LayerReductionConfig,
+    PruneGroup,
+    RowPruningConfig,
+    SparsePruningConfig,
+    WeightQuantGroup,
+    WeightQuantizationConfig,
+)
 from zlightning.compression._deepspeed import parse_compression_training
-from zlightning.compression._modules import COMPRESSED_TYPES, CompressedParallelLinear, compressed_twin, plain_twin
+from zlightning.compression._modules import (
+    COMPRESSED_TYPES,
+    CompressedParallelLinear,
+    _CompressedMixin,
+    compressed_twin,
+    plain_twin,
+)
 from zlightning.compression._parallel import SplitKind, TensorParallel, check_group_size, update_split_sizes
 from zlightning.compression._select import pair_related, select_modules
-from zlightning.compression._techniques import ActivationQuantizer, Mask, ScheduledTechnique, WeightQuantizer
+from zlightning.compression._techniques import ActivationQuantizer, Mask, MaskKind, ScheduledTechnique, WeightQuantizer
 
 __all__ = [
     "HEAD_COUNT_ATTRS",
@@ -63,6 +82,15 @@ class StructureEdit:
     module: str
     dim: int
     index: Tensor
+
+
+_PruningConfig = SparsePruningConfig | RowPruningConfig | HeadPruningConfig | ChannelPruningConfig
+_TechniqueConfig = WeightQuantizationConfig | ActivationQuantizationConfig | _PruningConfig
+
+
+def _weight(module: nn.Module) -> Tensor:
+    """The weight of a compressible layer or of a related one (``nn.Module`` types attributes as Tensor | Module)."""
+    return cast(Tensor, module.weight)
 
 
 def _root(model: nn.Module) -> nn.Module:
@@ -113,49 +141,54 @@ def _build(
     wq_groups: dict[int, int],
     tp: TensorParallel | None,
 ) -> ScheduledTechnique:
-    offset = cfg.schedule_offset  # type: ignore[attr-defined]
+    # ``cfg`` and ``group`` are the config and group classes of ``technique`` (`CompressionConfig.techniques`)
+    offset = cast(_TechniqueConfig, cfg).schedule_offset
     if technique == "weight_quantization":
-        groups = module.weight.shape[0] if isinstance(module, nn.Embedding) else cfg.quantize_groups  # type: ignore[attr-defined]
+        wq_cfg, wq_group = cast(WeightQuantizationConfig, cfg), cast(WeightQuantGroup, group)
+        groups = module.weight.shape[0] if isinstance(module, nn.Embedding) else wq_cfg.quantize_groups
         groups = wq_groups.setdefault(id(module.weight), groups)  # tied weights: the first module's grouping
-        if module.weight.shape[0] % groups != 0:
+        rows = _weight(module).shape[0]
+        if rows % groups != 0:
             raise ValueError(
-                f"weight_quantization: quantize_groups={groups} must divide the {module.weight.shape[0]} rows of "
+                f"weight_quantization: quantize_groups={groups} must divide the {rows} rows of "
                 f"{name!r} (groups are bands of rows)."
             )
         return WeightQuantizer(
             schedule_offset=offset,
-            start_bits=group.start_bits,
-            target_bits=group.target_bits,  # type: ignore[attr-defined]
-            period=group.quantization_period,
-            scheme=cfg.quantization_type,  # type: ignore[attr-defined]
+            start_bits=wq_group.start_bits,
+            target_bits=wq_group.target_bits,
+            period=wq_group.quantization_period,
+            scheme=wq_cfg.quantization_type,
             num_groups=groups,
-            stochastic=cfg.rounding == "stochastic",
-        )  # type: ignore[attr-defined]
+            stochastic=wq_cfg.rounding == "stochastic",
+        )
     if technique == "activation_quantization":
+        aq_cfg, aq_group = cast(ActivationQuantizationConfig, cfg), cast(ActivationQuantGroup, group)
         return ActivationQuantizer(
             schedule_offset=offset,
-            bits=group.bits,
-            scheme=cfg.quantization_type,  # type: ignore[attr-defined]
-            calibration=cfg.range_calibration,
+            bits=aq_group.bits,
+            scheme=aq_cfg.quantization_type,
+            calibration=aq_cfg.range_calibration,
             per_sample=isinstance(module, nn.Conv2d),
-        )  # type: ignore[attr-defined]
-    kind = technique.removesuffix("_pruning")
+        )
+    prune_cfg, prune_group = cast(_PruningConfig, cfg), cast(PruneGroup, group)
+    kind = cast(MaskKind, technique.removesuffix("_pruning"))
     related: tuple[str, ...] = ()
-    if kind != "sparse" and group.related_modules is not None and index is not None:  # type: ignore[attr-defined]
+    if kind != "sparse" and prune_group.related_modules is not None and index is not None:
         related = pair_related(
             root,
             name,
-            group.related_modules[index],
-            technique,  # type: ignore[attr-defined]
+            prune_group.related_modules[index],
+            technique,
             () if tp is None else tp.split_types,
         )
-    heads = _num_heads(root, name, cfg, module.weight.shape[1], tp) if kind == "head" else 1  # type: ignore[arg-type]
+    heads = _num_heads(root, name, cast(HeadPruningConfig, cfg), _weight(module).shape[1], tp) if kind == "head" else 1
     return Mask(
         kind=kind,
-        method=cfg.method,
-        dense_ratio=float(group.dense_ratio),
-        schedule_offset=offset,  # type: ignore[attr-defined, arg-type]
-        weight=module.weight,
+        method=prune_cfg.method,
+        dense_ratio=float(prune_group.dense_ratio),
+        schedule_offset=offset,
+        weight=_weight(module),
         num_heads=heads,
         freeze_after=getattr(cfg, "schedule_offset_end", None),
         related=related,
@@ -262,7 +295,7 @@ def compression_stats(model: nn.Module) -> dict[str, float]:
         stats[f"{key}/active"] = sum(t.active for t in items) / len(items)
         active = [t for t in items if t.active]
         if technique == "weight_quantization" and active:
-            stats[f"{key}/bits"] = sum(t.bits for t in active) / len(active)  # type: ignore[attr-defined]
+            stats[f"{key}/bits"] = sum(cast(WeightQuantizer, t).bits for t in active) / len(active)
         masks = [t for t in active if isinstance(t, Mask) and bool(t.ready)]
         if masks:
             total = sum(t.mask.numel() for t in masks)
@@ -270,8 +303,10 @@ def compression_stats(model: nn.Module) -> dict[str, float]:
     return stats
 
 
-def _bake(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    compressed = [(n, m) for n, m in root.named_modules() if isinstance(m, COMPRESSED_TYPES)]
+def _bake(root: nn.Module) -> list[tuple[str, _CompressedMixin]]:
+    compressed: list[tuple[str, _CompressedMixin]] = [
+        (n, m) for n, m in root.named_modules() if isinstance(m, COMPRESSED_TYPES)
+    ]
     dropped = [f"{n}.{t}" for n, m in compressed for t, obj in m.techniques().items() if not obj.active]
     if dropped:
         warnings.warn(f"redundancy_clean: dropping techniques whose schedule has not started: {dropped}", stacklevel=3)
@@ -285,6 +320,7 @@ def _bake(root: nn.Module) -> list[tuple[str, nn.Module]]:
                 param = getattr(m, pname, None)
                 if param is None:
                     continue
+                value = cast(Tensor, value)  # None only for a missing bias, skipped above
                 prev = baked.get(id(param))
                 if prev is not None and not torch.equal(prev[2], value):
                     raise ValueError(
@@ -340,9 +376,9 @@ def _remove_rows(root: nn.Module, name: str, mask: Mask, edits: list[StructureEd
             module.num_features = int(keep.numel())
             edits.append(StructureEdit(rel, 0, keep))
             continue
-        if module.weight.shape[1] != mask.mask.numel():
+        if _weight(module).shape[1] != mask.mask.numel():
             raise ValueError(
-                f"{mask.technique}: related module {rel!r} has {module.weight.shape[1]} inputs but "
+                f"{mask.technique}: related module {rel!r} has {_weight(module).shape[1]} inputs but "
                 f"{name!r} has {mask.mask.numel()} outputs; fix the related_modules regex."
             )
         _slice_split(root, rel, 1, keep, splits)
@@ -371,7 +407,7 @@ def _head_rows(rel: str, out: int, width: int, cols: Tensor, heads: Tensor, mask
 def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureEdit], splits: _Splits) -> None:
     heads = mask.keep_index()
     proj = root.get_submodule(name)
-    width = proj.weight.shape[1]
+    width = _weight(proj).shape[1]
     head_dim = width // mask.num_heads
     cols = (heads[:, None] * head_dim + torch.arange(head_dim)).flatten()
     _slice_split(root, name, 1, cols, splits)
@@ -379,7 +415,7 @@ def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureE
     for rel in mask.related:
         module = root.get_submodule(rel)
         rows = _head_rows(
-            rel, module.weight.shape[0], width, cols, heads, mask, splits.get(rel, (None, 1))[0] is not None
+            rel, _weight(module).shape[0], width, cols, heads, mask, splits.get(rel, (None, 1))[0] is not None
         )
         _slice_split(root, rel, 0, rows, splits)
         edits.append(StructureEdit(rel, 0, rows))
@@ -393,7 +429,7 @@ def _remove_heads(root: nn.Module, name: str, mask: Mask, edits: list[StructureE
                 setattr(parent, attr, kept * world)
                 updated = True
         if isinstance(getattr(parent, "all_head_size", None), int):
-            parent.all_head_size = kept * world * head_dim
+            cast(Any, parent).all_head_size = kept * world * head_dim  # an attention module's own attribute
         for attr, value in (
             ("num_attention_heads_per_partition", kept),
             ("hidden_size_per_partition", kept * head_dim),
@@ -432,7 +468,7 @@ def redundancy_clean(
     return _clean(model, deepspeed_config, mpu)[0]
 
 
-def _splits(compressed: list[tuple[str, nn.Module]], tp: TensorParallel | None) -> _Splits:
+def _splits(compressed: Sequence[tuple[str, nn.Module]], tp: TensorParallel | None) -> _Splits:
     """Split layers among the compressed twins and their related modules, as recorded by `init_compression`."""
     out: _Splits = {}
     for name, m in compressed:

@@ -46,8 +46,7 @@ _MASKS = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
 class _CompressedMixin(nn.Module):
     """Technique slots and the compressed weight; see [Note: order inside forward]."""
 
-    weight: nn.Parameter
-    bias: nn.Parameter | None
+    weight: Tensor  # the base class's; so is ``bias`` (a Tensor or None; read with getattr)
     weight_quantization: WeightQuantizer | None
     activation_quantization: ActivationQuantizer | None
     sparse_pruning: Mask | None
@@ -164,7 +163,8 @@ def compressed_twin(module: nn.Module, tp: TensorParallel | None = None) -> _Com
         return module
     kind = None if tp is None else tp.kind(module)
     if kind is not None and tp is not None:
-        twin = _copy_into(_parallel_twin_class(type(module)), module)
+        # a class is hashable; mypy checks type[Module] against Hashable with Module's unbound __hash__
+        twin = _copy_into(_parallel_twin_class(type(module)), module)  # type: ignore[arg-type]
         twin.tp_kind, twin.tp_group, twin.tp_world_size = kind, tp.group, tp.world_size
         for name in TECHNIQUES:
             setattr(twin, name, None)

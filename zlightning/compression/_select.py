@@ -66,6 +66,7 @@ def select_modules(
     out: list[Selection] = []
     for group in groups:
         gname, patterns = group.name, group.modules  # type: ignore[attr-defined]
+        matches: list[tuple[str, int | None, str]]
         if patterns is None:
             matches = [(n, None, "<all>") for n, m in candidates if isinstance(m, supported)]
         else:

@@ -39,7 +39,7 @@ def _gather(local: Tensor, dim: int, chunks: int, group: dist.ProcessGroup) -> T
     return torch.cat([per_rank[r][c] for c in range(chunks) for r in range(world)], dim=dim)
 
 
-def _shard(param: nn.Parameter, dim: int, chunks: int, rank: int, world: int, memo: ShardMemo) -> nn.Parameter:
+def _shard(param: torch.Tensor, dim: int, chunks: int, rank: int, world: int, memo: ShardMemo) -> nn.Parameter:
     """This rank's slice of ``param`` on ``dim``; with ``chunks`` > 1 each of the chunks is sliced separately."""
     key = (id(param), f"dim{dim}/chunks{chunks}/{rank}of{world}")
     if key in memo:

@@ -21,7 +21,7 @@ its own forward; when they are not materialised there (ZeRO-3 units finer than t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,15 @@ __all__ = ["Activation", "FusedMLP", "fused_mlp_for"]
 
 Activation = Literal["gelu", "gelu_tanh", "silu", "relu"]
 _ACT_MODULES: dict[type[nn.Module], Activation] = {nn.SiLU: "silu", nn.ReLU: "relu"}
+
+
+class _LinearLike(Protocol):
+    """What the fused path reads of a child linear (`nn.Linear`, `ColumnParallelLinear`, `RowParallelLinear`)."""
+
+    @property
+    def weight(self) -> Tensor: ...
+    @property
+    def bias(self) -> Tensor | None: ...
 
 
 def activation_of(module: nn.Module) -> Activation | None:
@@ -81,7 +90,7 @@ class _FusedMLPFn(torch.autograd.Function):
     ) -> Tensor:
         gated, hidden = w3 is not None, w1.shape[0]
         x2 = x.reshape(-1, x.shape[-1])
-        if gated:
+        if w3 is not None:  # gated
             w13 = torch.cat([w1, w3])
             b13 = (
                 None
@@ -172,7 +181,7 @@ class FusedMLP(nn.Module):
         for name, module in modules.items():
             self.add_module(name, module)
 
-    def _fusable(self) -> tuple[nn.Module, nn.Module, nn.Module | None, Any] | None:
+    def _fusable(self) -> tuple[_LinearLike, _LinearLike, _LinearLike | None, Any] | None:
         """(first, down, up-of-gated, TP group or None) when the fused path applies, else None."""
         up, down = getattr(self, self.up_name), getattr(self, self.down_name)
         gate = getattr(self, self.gate_name) if self.gate_name else None
@@ -203,7 +212,7 @@ class FusedMLP(nn.Module):
             y = self._fused(x_BTD, *parts)
         return getattr(self, self.out_drop)(y) if self.out_drop else y
 
-    def _fused(self, x: Tensor, first: nn.Module, down: nn.Module, third: nn.Module | None, group: Any) -> Tensor:
+    def _fused(self, x: Tensor, first: _LinearLike, down: _LinearLike, third: _LinearLike | None, group: Any) -> Tensor:
         weights = [
             first.weight,
             first.bias,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +112,9 @@ def _layout(config: PretrainedConfig) -> _Layout:
 
 
 # ---------------------------------------------------------------------------------------------------- layers
-def _load_init(module: nn.Module, init: Mapping[str, Tensor] | None, initializer: nn.Module | None = None) -> None:
+def _load_init(
+    module: nn.Module, init: Mapping[str, Tensor] | None, initializer: PreTrainedModel | None = None
+) -> None:
     """Copies ``init`` into a freshly built layer (strict), or else initialises it as the Hugging Face model does
     (``initializer._init_weights`` on every submodule: normal(0, ``initializer_range``) matrices, zero biases, unit
     norms, GPT-2's scaled residual projections); nothing on the meta device (parameter counting)."""
@@ -142,7 +144,7 @@ class TokenEmbedding(nn.Embedding):
         hidden: int,
         padding_idx: int | None = None,
         init: Mapping[str, Tensor] | None = None,
-        initializer: nn.Module | None = None,
+        initializer: PreTrainedModel | None = None,
     ) -> None:
         super().__init__(vocab_size, hidden, padding_idx=padding_idx)
         _load_init(self, init, initializer)
@@ -150,7 +152,7 @@ class TokenEmbedding(nn.Embedding):
 
 def tied_lm_head(embedding: nn.Module, hidden_BTD: Tensor) -> Tensor:
     """The output head reusing the token table: ``logits_BTV = hidden_BTD @ W_emb^T``."""
-    return F.linear(hidden_BTD, embedding.weight)
+    return F.linear(hidden_BTD, cast(Tensor, embedding.weight))  # the token table's weight
 
 
 class LMHead(nn.Linear):
@@ -161,7 +163,7 @@ class LMHead(nn.Linear):
         hidden: int,
         vocab_size: int,
         init: Mapping[str, Tensor] | None = None,
-        initializer: nn.Module | None = None,
+        initializer: PreTrainedModel | None = None,
     ) -> None:
         super().__init__(hidden, vocab_size, bias=False)
         _load_init(self, init, initializer)
@@ -171,7 +173,10 @@ class GPT2Positions(nn.Module):
     """GPT-2's learned positions and embedding dropout: ``drop(x_BTD + wpe[0..T-1])``."""
 
     def __init__(
-        self, config: PretrainedConfig, init: Mapping[str, Tensor] | None = None, initializer: nn.Module | None = None
+        self,
+        config: PretrainedConfig,
+        init: Mapping[str, Tensor] | None = None,
+        initializer: PreTrainedModel | None = None,
     ) -> None:
         super().__init__()
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
@@ -191,7 +196,7 @@ class FinalNorm(nn.Module):
         hidden: int,
         eps: float,
         init: Mapping[str, Tensor] | None = None,
-        initializer: nn.Module | None = None,
+        initializer: PreTrainedModel | None = None,
     ) -> None:
         super().__init__()
         self.norm = norm_cls(hidden, eps=eps)
@@ -210,7 +215,7 @@ def _causal_mask(config: PretrainedConfig, x_BTD: Tensor) -> Tensor | None:
         return None
     i = torch.arange(t, device=x_BTD.device)
     allowed = i[None, :] <= i[:, None]
-    if windowed:
+    if windowed and window is not None:  # (windowed implies a window)
         allowed &= (i[:, None] - i[None, :]) < window
     mask = torch.zeros(t, t, dtype=x_BTD.dtype, device=x_BTD.device)
     return mask.masked_fill(~allowed, torch.finfo(x_BTD.dtype).min)[None, None]
@@ -237,7 +242,7 @@ class DecoderLayer(nn.Module):
         layer_cls: type[nn.Module],
         rotary_cls: type[nn.Module] | None = None,
         init: Mapping[str, Tensor] | None = None,
-        initializer: nn.Module | None = None,
+        initializer: PreTrainedModel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -308,7 +313,8 @@ def hf_pipeline_layers(source: PreTrainedModel | PretrainedConfig) -> list[Layer
     state = model.state_dict() if isinstance(source, PreTrainedModel) else None
     ini = None if state is not None else model  # the meta model's _init_weights: see [Note: starting from ...]
     pairs = dict(layout.prefixes())
-    inner = model.model if layout.family == "llama" else model.transformer
+    # the decoder stack of the family's *ForCausalLM (LlamaModel, GPT2Model): its submodules are read by name
+    inner: Any = model.model if layout.family == "llama" else model.transformer
     blocks = inner.layers if layout.family == "llama" else inner.h
     layer_cls = type(blocks[0])
     rotary_cls = type(inner.rotary_emb) if layout.family == "llama" else None

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
@@ -190,7 +191,7 @@ class GPTLightningModule(LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         """AdamW with weight decay on matrices/embeddings only, and a per-step linear warmup (`LinearWarmup`)."""
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
         params = [p for _, p in self.named_parameters() if p.requires_grad]  # tied weights appear once
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},

@@ -29,12 +29,13 @@ Validation uses the plain model forward on ``(x, y)`` batches.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -48,14 +49,21 @@ __all__ = ["CausalLM", "HybridCPGPTModule", "gpt_cp_logits", "gpt_cp_loss", "gpt
 
 
 class CausalLM(Protocol):
-    """The submodules of the example GPT (`GPT`) that a CP forward calls, in order."""
+    """The submodules of the example GPT (`GPT`) that a CP forward calls, in order (read-only members, so a model
+    may declare narrower module types, e.g. ``drop: nn.Dropout``)."""
 
-    tok_emb: nn.Embedding
-    pos_emb: nn.Embedding
-    drop: nn.Module
-    blocks: nn.ModuleList
-    ln_f: nn.Module
-    head: nn.Module
+    @property
+    def tok_emb(self) -> nn.Embedding: ...
+    @property
+    def pos_emb(self) -> nn.Embedding: ...
+    @property
+    def drop(self) -> nn.Module: ...
+    @property
+    def blocks(self) -> nn.ModuleList: ...
+    @property
+    def ln_f(self) -> nn.Module: ...
+    @property
+    def head(self) -> nn.Module: ...
 
 
 def gpt_cp_logits(model: CausalLM, tokens_t: Tensor, shard: CPShard) -> Tensor:
@@ -227,7 +235,7 @@ class HybridCPGPTModule(LightningModule):
                 step_context=engine.forward_pass,
                 backward=backward,
             )
-        optimizer = self.optimizers()
+        optimizer = cast(LightningOptimizer, self.optimizers())  # configure_optimizers returns one optimizer
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = total.to(self.device)  # float64; on the module's device for NCCL

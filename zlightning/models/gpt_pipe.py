@@ -15,10 +15,11 @@ with) the plain model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
@@ -62,7 +63,7 @@ class TokenEmbedding(nn.Embedding):
 
 def tied_head(embedding: nn.Module, x_BTD: Tensor) -> Tensor:
     """The output head reusing the token table: logits = x @ W_emb^T."""
-    return F.linear(x_BTD, embedding.weight)
+    return F.linear(x_BTD, cast(Tensor, embedding.weight))  # the token table's weight
 
 
 def lm_loss(logits_BTV: Tensor, targets_BT: Tensor) -> Tensor:
@@ -157,11 +158,12 @@ class GPTPipelineModule(LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         """AdamW over this rank's stage (decay on matrices only) with a linear warmup."""
+        hp = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(self.hparams.warmup_steps))
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(hp.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

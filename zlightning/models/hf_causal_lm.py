@@ -11,9 +11,10 @@ every position (`causal_lm_loss`), so a sequence-length curriculum that truncate
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from typing_extensions import override
@@ -126,7 +127,7 @@ class HFCausalLM(LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
         return _adamw(self, hp.lr, hp.weight_decay, hp.warmup_steps)
 
 
@@ -167,5 +168,5 @@ class HFCausalLMPipeline(LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
         return _adamw(self, hp.lr, hp.weight_decay, hp.warmup_steps)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -128,7 +128,8 @@ class HybridCPGroups:
                 "HybridCPGroups.build: torch.distributed is not initialised; call init_process_group (Lightning does "
                 "it in the strategy's setup) before building the hybrid-CP process groups."
             )
-        domain = dist.group.WORLD if dp_cp_group is None else dp_cp_group
+        # dist.group.WORLD is set once torch.distributed is initialised (checked above)
+        domain = cast("ProcessGroup", dist.group.WORLD) if dp_cp_group is None else dp_cp_group
         mine = tuple(dist.get_global_rank(domain, h) for h in range(dist.get_world_size(domain)))
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
