@@ -223,8 +223,8 @@ def _pending(folder: Path, name: str) -> tuple[Path | None, Path | None]:
         entries = os.listdir(folder)
     except OSError:
         return None, None
-    olds = {}
-    tmps = {}
+    olds: dict[str, Path] = {}
+    tmps: dict[str, Path] = {}
     for entry in entries:
         parts = _parts(entry)
         if parts is None or parts[2] != name:

@@ -197,6 +197,7 @@ def split_client_state(client: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
         if key not in plain:
             continue
         value = plain[key]
+        described: object
         if type(value) is dict:
             described = {k: v if loads_weights_only({k: v}) else _describe(v) for k, v in value.items()}
             changed = any(described[k] is not value[k] for k in value)

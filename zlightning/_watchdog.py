@@ -421,11 +421,11 @@ def wait_for(
             except RuntimeError as err:
                 if "time" not in str(err).lower():
                     raise
-            verdict = monitor.compare_now()
+            compared = monitor.compare_now()
             waited = time.monotonic() - start
             raise hang_error(
                 f"rank {monitor.rank} waited {waited:.0f} s for {doing} ({WATCHDOG_TIMEOUT_ENV}="
-                f"{monitor.timeout:g}): {verdict}"
+                f"{monitor.timeout:g}): {compared}"
             )
         if not sliced:
             work.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -54,10 +54,12 @@ def backend_fn(
     if config.inner == "eager":
         return gm.forward
     if config.inner == "aot_eager":
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        # Dynamo hands the backend its own list of example inputs (CompilerFn annotates it as list[Tensor])
+        return torch._dynamo.lookup_backend("aot_eager")(gm, cast("list[torch.Tensor]", example_inputs))
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, list(example_inputs))
+    # without AOT export options compile_fx returns the compiled callable (CompileFxOutput also lists the export results)
+    return cast(Callable[..., Any], compile_fx(gm, list(example_inputs)))
 
 
 def make_backend(config: CompileConfig | None = None, stats: CompileStats | None = None) -> Callable[..., Any]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -117,11 +117,14 @@ def ordered_groups(state: Any) -> list[Any]:
 
 def group_specs(state: Any) -> list[GroupSpec]:
     """One spec per group of the engine, in gather order (root and persistent first, then units in model order)."""
-    name = dist.group.WORLD.group_name if state.process_group is None else state.process_group.group_name
+    pg = state.process_group
+    if pg is None:  # the default group, set once torch.distributed is initialised
+        pg = cast("dist.ProcessGroup", dist.group.WORLD)
+    name = pg.group_name
     root = {id(g) for g in state.units[0].groups}
     persistent = {id(g) for g in state.persistent_groups}
     unit_of = {id(g): u.name for u in state.units for g in u.groups}
-    specs = []
+    specs: list[GroupSpec] = []
     for g in ordered_groups(state):
         start = g.rank * g.shard_numel
         covered = max(min(g.numel, start + g.shard_numel), start) - start
@@ -402,7 +405,9 @@ def make_graph_backend(
                 return compile_fx_inner(g, inputs, *args, **kwargs)
 
             with inductor_config.patch(joint_custom_pre_pass=tagger):
-                return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+                # without AOT export options compile_fx returns the compiled callable (CompileFxOutput also lists
+                # the export results)
+                return cast(Callable[..., Any], compile_fx(gm, list(example_inputs), inner_compile=inner_compile))
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 

@@ -69,7 +69,7 @@ class ZeroCompileHandle:
 
 
 def compile_zero3(
-    state: object, config: CompileConfig | None = None, *, dynamic: bool | None = False
+    state: Any, config: CompileConfig | None = None, *, dynamic: bool | None = False
 ) -> ZeroCompileHandle:
     """Compiles every non-root unit of a ZeRO-3 engine with `backend_fn`; see [Note: ZeRO-3 gather/release ...].
 

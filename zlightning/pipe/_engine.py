@@ -256,9 +256,9 @@ class PipelineEngine:
         if tp > 1:
             if self.groups.tensor is None:
                 raise RuntimeError(f"tensor_parallel_size={tp} needs torch.distributed initialised")
-            groups, device = self.groups, self.device
+            groups, device, tp_group = self.groups, self.device, self.groups.tensor
             self.tp_split = _all_or_none(
-                lambda: shard_stage(module, tp, config.tp_policy, groups.tensor, groups.pipe, device), device
+                lambda: shard_stage(module, tp, config.tp_policy, tp_group, groups.pipe, device), device
             )
         self._inputs_checked = tp == 1
         peers = self.grid.pipe_ranks(self.grid.dp_rank, self.grid.tp_rank)

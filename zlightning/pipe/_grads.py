@@ -22,7 +22,9 @@ from torch import nn
 __all__ = ["Zero1Sharding", "allreduce_mean", "allreduce_sum"]
 
 
-def _bucketed(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, op: dist.ReduceOp, divide: int) -> None:
+def _bucketed(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType, divide: int
+) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

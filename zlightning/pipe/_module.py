@@ -281,7 +281,14 @@ class PipelineModule(nn.Module):
                 self.tied_modules[spec.key] = self._seeded(first, lambda: spec.build(device))
             module = self.tied_modules[spec.key]
             fn = spec.forward_fn
-            self._funcs[idx] = (lambda x, m=module, f=fn: f(m, x)) if fn is not None else module
+            if fn is not None:
+
+                def tied_forward(x: Any, m: nn.Module = module, f: Callable[[nn.Module, Any], Any] = fn) -> Any:
+                    return f(m, x)
+
+                self._funcs[idx] = tied_forward
+            else:
+                self._funcs[idx] = module
         elif isinstance(spec, LayerSpec):
             module = self._seeded(idx, lambda: spec.build(device))
             self.add_module(str(idx), module)

@@ -33,7 +33,7 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     for w in weights:
         prefix.append(prefix[-1] + float(w))
     # best[p][i]: (max, -min, bounds) of splitting items[:i] into p parts
-    INF = (float("inf"), float("inf"), ())
+    INF: tuple[float, float, tuple[int, ...]] = (float("inf"), float("inf"), ())
     best: list[list[tuple[float, float, tuple[int, ...]]]] = [[INF] * (n + 1) for _ in range(num_parts + 1)]
     best[0][0] = (0.0, -float("inf"), (0,))
     for p in range(1, num_parts + 1):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zlightning.inject import InjectPolicy, module_inject, tp_split_names
+from zlightning.inject._policy import PlanStyle
 from zlightning.pipe._module import PipelineModule
 
 __all__ = ["StageView", "shard_stage"]
@@ -54,7 +55,7 @@ def _linear_names(view: StageView) -> list[str]:
 
 def _local_plan(
     view: StageView, policy: InjectPolicy, pipe_group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
-) -> dict[str, str]:
+) -> dict[str, PlanStyle]:
     """The plan entries that match a Linear of this stage. Raises on every rank if an entry matches no stage."""
     names = _linear_names(view)
     entries = list(policy.plan.items())
@@ -71,11 +72,11 @@ def _local_plan(
     return {**plan, **_head_entries(view, names, plan)}
 
 
-def _head_entries(view: StageView, names: list[str], plan: dict[str, str]) -> dict[str, str]:
+def _head_entries(view: StageView, names: list[str], plan: dict[str, PlanStyle]) -> dict[str, PlanStyle]:
     """``head`` entries for untied LM-head Linears (``lm_head``, ``head``, ``embed_out``, ``output``) that no user
     entry covers; see [Note: what a stage shards]."""
     embedded = {id(m.weight) for m in view.modules() if isinstance(m, nn.Embedding)}
-    out: dict[str, str] = {}
+    out: dict[str, PlanStyle] = {}
     for name in names:
         linear = view.get_submodule(name)
         if name.rsplit(".", 1)[-1] not in _HEAD_NAMES or id(linear.weight) in embedded:

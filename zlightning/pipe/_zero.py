@@ -52,10 +52,11 @@ from zlightning.zero import (
     zero3_shard,
 )
 from zlightning.zero import memory_report as zero_memory_report
+from zlightning.zero._config import Elements
 
 __all__ = ["StageSharding"]
 
-_ALWAYS = 1 << 62
+_ALWAYS = Elements(1 << 62)
 """Persistence thresholds above any stage's size: every parameter stays gathered between uses (see the Note)."""
 
 

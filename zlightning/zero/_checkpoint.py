@@ -237,8 +237,8 @@ def unshard_module(state: ZeroState, optimizers: Sequence[torch.optim.Optimizer]
                 zp.install(zp.original)
     state.remove_hooks()
     by_piece = {id(zp.piece): zp.original for zp in state.params}
-    for opt, full in zip(optimizers, full_optim):
-        for group in opt.param_groups:
-            group["params"][:] = [by_piece.get(id(p), p) for p in group["params"]]
+    for opt, full_state in zip(optimizers, full_optim):
+        for param_group in opt.param_groups:
+            param_group["params"][:] = [by_piece.get(id(p), p) for p in param_group["params"]]
         opt.state.clear()
-        opt.load_state_dict(full)
+        opt.load_state_dict(full_state)

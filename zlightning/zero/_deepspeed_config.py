@@ -181,7 +181,8 @@ def _offload_policies(blocks: dict[str, dict[str, Any]], aio: dict[str, Any], pr
     """``offload_optimizer``/``offload_param`` (+ the ``aio`` block) -> ``CPUOffload``/``NVMeOffload`` kwargs."""
     from zlightning.zero._offload_config import CPUOffload, NVMeOffload
 
-    io = {ours: int(aio[k]) for k, ours in _AIO_KEYS.items() if k in aio}
+    # NVMeOffload keyword arguments named at run time (all ints)
+    io: dict[str, Any] = {ours: int(aio[k]) for k, ours in _AIO_KEYS.items() if k in aio}
     for k in aio:
         if k == "thread_count":
             problems.append("aio.thread_count (renamed intra_op_parallelism in DeepSpeed, which ignores it now)")
@@ -197,7 +198,7 @@ def _offload_policies(blocks: dict[str, dict[str, Any]], aio: dict[str, Any], pr
         if device == "cpu" and key == "offload_optimizer":
             out[ours] = CPUOffload(pin_memory=pin)
         elif device == "nvme" and block.get("nvme_path"):
-            sizes = {"buffer_count": int(block["buffer_count"])} if "buffer_count" in block else {}
+            sizes: dict[str, Any] = {"buffer_count": int(block["buffer_count"])} if "buffer_count" in block else {}
             if "buffer_size" in block:
                 sizes["buffer_size"] = int(block["buffer_size"])
             out[ours] = NVMeOffload(path=block["nvme_path"], pin_memory=pin, **sizes, **io)

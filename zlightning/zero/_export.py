@@ -108,10 +108,11 @@ def _open_archive(path: Path, pickled: bytes) -> Any:
     archive = torch._C.PyTorchFileWriter(str(path))
     try:
         archive.write_record("data.pkl", pickled, len(pickled))
-        archive.write_record(".format_version", "1", 1)
+        # the binding takes str records too, as torch.serialization writes them (its stub lists bytes only)
+        archive.write_record(".format_version", "1", 1)  # type: ignore[arg-type]
         align = str(torch.serialization._get_storage_alignment())
-        archive.write_record(".storage_alignment", align, len(align))
-        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        archive.write_record(".storage_alignment", align, len(align))  # type: ignore[arg-type]
+        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))  # type: ignore[arg-type]
     except BaseException:
         _finish_quietly(archive)
         raise
@@ -157,7 +158,11 @@ def save_streaming(obj: Any, path: str | os.PathLike[str]) -> None:
                 return _rebuild_args(ref)
             if isinstance(value, torch.Tensor):
                 ref = _StorageRef(str(len(pending)), TensorSpec(("",), tuple(value.shape), value.dtype))
-                pending.append((ref, lambda t=value: t))
+
+                def produce(t: torch.Tensor = value) -> torch.Tensor:
+                    return t
+
+                pending.append((ref, produce))
                 return _rebuild_args(ref)
             return NotImplemented
 

@@ -102,6 +102,9 @@ class _Hyper:
     step: int  # the step number this update performs (1-based)
 
 
+_HyperValues = tuple[float, float, float, float, float]
+"""A param group's ``(lr, beta1, beta2, eps, weight_decay)``: `_Hyper` without the step."""
+
 AdamFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Hyper, bool], None]
 
 
@@ -196,7 +199,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._announced = False
         self._done: set[int] = set()  # id(_SubGroup) stepped this step
         self._early_groups: set[int] = set()  # id(group) stepped during backward this step
-        self._early_hypers: dict[int, tuple[float, ...]] = {}  # id(piece) -> hyper-parameters used early
+        self._early_hypers: dict[int, _HyperValues] = {}  # id(piece) -> hyper-parameters used early
         self._early_pieces: set[int] = set()  # ZeroParam.index stepped early whose .grad was released
         offload.optimizer = self
 
@@ -249,24 +252,24 @@ class OffloadedAdam(torch.optim.Optimizer):
             )
 
     # ---------------------------------------------------------------- the step
-    def _hypers(self) -> dict[int, tuple[float, float, float, float, float]]:
-        out = {}
+    def _hypers(self) -> dict[int, _HyperValues]:
+        out: dict[int, _HyperValues] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            values = tuple(float(x) for x in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"]))
+            values = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
             for p in group["params"]:
                 out[id(p)] = values
         return out
 
     def _segments(
-        self, sg: _SubGroup, hypers: dict[int, tuple[float, ...]]
+        self, sg: _SubGroup, hypers: dict[int, _HyperValues]
     ) -> list[tuple[int, int, _Hyper, list[tuple[ZeroParam, int, int]]]]:
         """Runs of adjacent pieces with a gradient and identical hyper-parameters and step."""
         segs: list[tuple[int, int, _Hyper, list[tuple[ZeroParam, int, int]]]] = []
         for zp, a, b in sg.pieces:
             if zp.piece.grad is None or id(zp.piece) not in hypers:
                 continue
-            h = _Hyper(*hypers[id(zp.piece)], step=self._steps.get(zp.index, 0) + 1)  # type: ignore[misc]
+            h = _Hyper(*hypers[id(zp.piece)], step=self._steps.get(zp.index, 0) + 1)
             if segs and segs[-1][1] == a and segs[-1][2] == h:
                 lo, _, _, members = segs[-1]
                 segs[-1] = (lo, b, h, members + [(zp, a, b)])
@@ -472,7 +475,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self.release_gradients:
             self._release_gradients(group, hypers)
 
-    def _release_gradients(self, group: ZeroParamGroup, hypers: dict[int, tuple[float, ...]]) -> None:
+    def _release_gradients(self, group: ZeroParamGroup, hypers: dict[int, _HyperValues]) -> None:
         for zp in group.params:
             if zp.piece.grad is not None and id(zp.piece) in hypers:
                 self._early_pieces.add(zp.index)
@@ -480,7 +483,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if all(zp.piece.grad is None for zp in group.params):
             group.grad = None  # the shard's memory goes back (the next backward makes a new one)
 
-    def _check_hypers(self, hypers: dict[int, tuple[float, ...]]) -> None:
+    def _check_hypers(self, hypers: dict[int, _HyperValues]) -> None:
         changed = [k for k, v in self._early_hypers.items() if hypers.get(k) != v]
         if changed:
             raise RuntimeError(
@@ -558,11 +561,11 @@ class OffloadedAdam(torch.optim.Optimizer):
             for name, t in values.items():
                 sg.host[name].copy_(t)
             return
-        for name, t in sg.swapped.items():
-            if t.state is SwapState.ON_NVME:
-                swapper.supersede(t)
-            swapper.stage(t, values[name])
-            swapper.write(t)
+        for name, swapped in sg.swapped.items():
+            if swapped.state is SwapState.ON_NVME:
+                swapper.supersede(swapped)
+            swapper.stage(swapped, values[name])
+            swapper.write(swapped)
             swapper.wait_writes()
 
     def state_dict(self) -> dict[str, Any]:

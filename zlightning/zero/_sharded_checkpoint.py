@@ -42,6 +42,7 @@ every check passed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -158,7 +159,7 @@ def _local_optimizer_payload(state: ZeroState, optimizer: torch.optim.Optimizer)
                     members.setdefault(key, []).append((zp, value))
         for key, pieces in members.items():
             flats.setdefault(str(gi), {})[key] = LazyTensor(
-                (group.shard_numel,), pieces[0][1].dtype, lambda group=group, pieces=pieces: _flat_of(group, pieces)
+                (group.shard_numel,), pieces[0][1].dtype, functools.partial(_flat_of, group, pieces)
             )
     return {
         "param_groups": sd["param_groups"],
@@ -166,6 +167,11 @@ def _local_optimizer_payload(state: ZeroState, optimizer: torch.optim.Optimizer)
         "flats": flats,
         "scalars": scalars,
     }
+
+
+def _shard_on_cpu(group: Any) -> torch.Tensor:
+    """A group's current master shard, on the CPU (read when its `LazyTensor` is written)."""
+    return group.shard.detach().cpu()
 
 
 def _flat_of(group: Any, pieces: list[tuple[ZeroParam, torch.Tensor]]) -> torch.Tensor:
@@ -260,7 +266,7 @@ def _write_rank_file(state: ZeroState, optimizers: Sequence[torch.optim.Optimize
     """Writes and fsyncs this rank's shard file; returns its SHA-256."""
     payload = {
         "shards": [
-            LazyTensor((g.shard_numel,), g.master_dtype, lambda g=g: g.shard.detach().cpu()) for g in state.groups
+            LazyTensor((g.shard_numel,), g.master_dtype, functools.partial(_shard_on_cpu, g)) for g in state.groups
         ],
         "optimizers": [_local_optimizer_payload(state, opt) for opt in optimizers],
     }
@@ -492,7 +498,11 @@ def load_sharded(
         for zp in g.params:
             src = sources[zp.fqn]
             lo, hi = src.span(zp)
-            piece = _assemble(lo, hi, src.old_shard, lambda r, og=src.group: files.get(r)["shards"][og], g.master_dtype)
+
+            def saved_shard(r: int, og: int = src.group) -> torch.Tensor | None:
+                return files.get(r)["shards"][og]
+
+            piece = _assemble(lo, hi, src.old_shard, saved_shard, g.master_dtype)
             shard[zp.local_start - base : zp.local_end - base].copy_(piece)
         new_shards.append(shard)
     opt_states = [_build_optimizer_state(state, opt, files, sources, i) for i, opt in enumerate(optimizers)]
@@ -527,13 +537,11 @@ def _build_optimizer_state(
         entry = dict(head["scalars"][str(zp.index)])
         lo, hi = src.span(zp)
         for key, template in head["flats"].get(str(src.group), {}).items():
-            entry[key] = _assemble(
-                lo,
-                hi,
-                src.old_shard,
-                lambda r, og=src.group, key=key: files.get(r)["optimizers"][which]["flats"].get(str(og), {}).get(key),
-                template.dtype,
-            )
+
+            def saved_flat(r: int, og: int = src.group, key: str = key) -> torch.Tensor | None:
+                return files.get(r)["optimizers"][which]["flats"].get(str(og), {}).get(key)
+
+            entry[key] = _assemble(lo, hi, src.old_shard, saved_flat, template.dtype)
         out_state[i] = entry
     return {"state": out_state, "param_groups": head["param_groups"]}
 
@@ -598,13 +606,11 @@ def consolidate(
         for gi, g in groups:
             shard = -(-g["numel"] // world)
             for p in g["params"]:
-                full = _assemble(
-                    p["offset"],
-                    p["offset"] + p["numel"],
-                    shard,
-                    lambda r, gi=gi: payloads[r]["shards"][gi],
-                    getattr(torch, g["dtype"]),
-                )
+
+                def saved_shard(r: int, gi: int = gi) -> torch.Tensor | None:
+                    return payloads[r]["shards"][gi]
+
+                full = _assemble(p["offset"], p["offset"] + p["numel"], shard, saved_shard, getattr(torch, g["dtype"]))
                 writer.write(p["fqns"][0], cast(full).view(p["shape"]))
                 del full
         for key, value in buffers.items():
