@@ -149,7 +149,9 @@ def _steps(rank: int, world: int, width: int, depth: int, steps: int, root: str)
 @pytest.mark.slow
 def test_default_settings_resident_growth_is_bounded_and_flat(tmp_path: Path) -> None:
     steps = 40
-    for r in run_distributed(_steps, WORLD, 1024, 48, steps, str(tmp_path), init_process_group=False, timeout=600):
+    for r in run_distributed(
+        _steps, WORLD, 1024, 48, steps, str(tmp_path), init_process_group=False, timeout=600, start_method="spawn"
+    ):
         per_param = r["peaks"]
         bound = 16 / WORLD + 1  # fp32 parameters, gradients and Adam's two moments, sharded, plus one byte
         assert max(per_param) <= bound, per_param

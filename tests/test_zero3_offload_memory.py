@@ -77,7 +77,9 @@ def _measure(rank: int, world: int, path: str) -> dict[str, Any]:
 
 
 def test_peak_rss_is_pool_plus_parameters_not_adam_state(tmp_path: Path) -> None:
-    out = run_distributed(_measure, 1, str(tmp_path), timeout=240)[0]
+    out = run_distributed(_measure, 1, str(tmp_path), timeout=240, start_method="spawn")[
+        0
+    ]  # resident memory: see run_distributed
     off, mem = out["offloaded"], out["in_memory"]
     pool = off["optimizer_bytes"]
     assert pool > 0 and off["adam_state_bytes"] >= 4 * pool, (off, pool)  # state >= 4x the resident budget

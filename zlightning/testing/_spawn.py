@@ -152,6 +152,7 @@ def run_distributed(
     timeout: float = 180.0,
     init_process_group: bool = True,
     threads: int = 1,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and returns their results by rank.
 
@@ -167,6 +168,9 @@ def run_distributed(
             Use False for code that initialises distributed itself (a Lightning ``Trainer`` reads the
             ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``LOCAL_RANK`` variables set here and does not relaunch).
         threads: ``torch.set_num_threads`` in each rank.
+        start_method: ``"spawn"`` or ``"forkserver"`` for this call; None: the one `set_start_method` chose. Tests
+            that measure a rank's resident memory use ``"spawn"``: a forked rank faults the library pages its server
+            had already touched in again after its baseline, which reads as growth.
 
     Returns:
         A list with each rank's return value, indexed by rank.
@@ -176,7 +180,10 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
-    ctx: Any = mp.get_context(_start_method)  # a SpawnContext or ForkServerContext (both have Process, Queue)
+    method = start_method or _start_method
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"run_distributed: start_method must be 'spawn' or 'forkserver', got {method!r}")
+    ctx: Any = mp.get_context(method)  # a SpawnContext or ForkServerContext (both have Process, Queue)
     results = ctx.Queue()
     port = find_free_port()
     environ = dict(os.environ)
