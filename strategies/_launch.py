@@ -269,6 +269,24 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
             rank, world = self._strategy.global_rank, self._strategy.world_size
             summary = _report(err, rank, world, print_summary=False)
             raise RankFailedError(summary) from None
+        _destroy_process_groups()  # see [Note: a spawned rank leaves its process groups before it exits]
+
+
+def _destroy_process_groups() -> None:
+    """Destroys this rank's process groups (the default one and every subgroup) after its work is done.
+
+    [Note: a spawned rank leaves its process groups before it exits]
+    Lightning's spawn worker returns and the process exits with its process groups still alive; gloo's worker
+    threads then outlive the interpreter's finalisation, and a rank now and then died with SIGABRT ("terminate
+    called without an active exception") after ``fit`` had finished, failing the whole launch. Every collective of
+    the run has completed when the worker function returns (rank 0's results were gathered collectively), so each
+    rank destroys its groups locally, while the interpreter is fully alive.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort: the process is about to exit
+            pass
 
 
 class _RankObserver(_ChildProcessObserver):

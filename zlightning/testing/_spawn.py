@@ -91,7 +91,7 @@ def _rank_main(
         try:
             out = fn(rank, world_size, *args)
         finally:
-            if init_process_group and dist.is_initialized():
+            if dist.is_initialized():  # also groups the function made (a Trainer): see strategies/_launch.py
                 dist.destroy_process_group()
         # Plain pickle (bytes): torch's queue reducers share tensors through file descriptors that vanish with
         # the rank process.
