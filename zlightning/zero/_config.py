@@ -255,6 +255,12 @@ class ZeroConfig:
                 f"ZeroConfig.offload_params must be NVMeOffload(path=...) or None, got {self.offload_params!r} "
                 "(parameter shards already live on the host when the device is the CPU)"
             )
+        if self.offload_params is not None and self.offload_optimizer is None:
+            raise ValueError(
+                "ZeroConfig.offload_params=NVMeOffload(...) needs offload_optimizer=CPUOffload() or NVMeOffload(...): "
+                "offloaded parameter shards are updated only by the offloaded optimizer step, which brings each shard "
+                "back, steps it and writes it out (an optimizer stepping them in place would find them on disk)"
+            )
         if self.offload_params is not None and self.stage != 3:
             raise ValueError(
                 f"ZeroConfig.offload_params needs stage=3 (parameters are replicated at stage {self.stage})"

@@ -69,6 +69,7 @@ class ParamOffloader:
                 f"param group {i} shard", folder.file(f"param_group{i}.swp"), 0, g.shard_numel, g.master_dtype
             )
             self.files[id(g)] = t
+            g.fill_pending_values()  # meta-built shards get values only now ([Note: initial values straight to disk])
             self.swapper.stage(t, g.shard.detach())
             self.swapper.write(t)
             self.swapper.wait_writes()

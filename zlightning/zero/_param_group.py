@@ -138,7 +138,13 @@ class ZeroParamGroup:
     stale: bool  # gathered data predates the last optimizer step
 
     def __init__(
-        self, params: list[ZeroParam], context: GroupContext, *, persistent: bool, param_dtype: torch.dtype | None
+        self,
+        params: list[ZeroParam],
+        context: GroupContext,
+        *,
+        persistent: bool,
+        param_dtype: torch.dtype | None,
+        defer_values: bool = False,
     ) -> None:
         self.params = params
         self.context = context
@@ -164,10 +170,12 @@ class ZeroParamGroup:
         self.unsynced: FlatGradient | None = None  # [W*S] full gradients summed while gradient sync is off
         self._lent: torch.UntypedStorage | None = None  # the pool's token for the bytes in ``storage``
         self._fresh: list[ZeroParam] = []  # pieces whose .grad this backward created (see ZeroState.finish_backward)
-        self._build_shard()
+        # True while the shard has its shape but no bytes (see [Note: initial values straight to disk])
+        self.values_pending = False
+        self._build_shard(defer_values and all(p.original.is_meta for p in params))
 
     # ---------------------------------------------------------------- construction
-    def _build_shard(self) -> None:
+    def _build_shard(self, defer_values: bool) -> None:
         start = self.rank * self.shard_numel
         end = start + self.shard_numel
         offset = 0
@@ -175,7 +183,10 @@ class ZeroParamGroup:
             p.place(offset, start, end)
             offset += p.numel
         ctx = self.context
-        if ctx.broadcast_init and self.world > 1:
+        if defer_values:
+            self.shard = torch.empty(self.shard_numel, dtype=self.master_dtype, device=self.device)
+            self.values_pending = True  # the bytes go once the pieces are bound (below)
+        elif ctx.broadcast_init and self.world > 1:
             # Everyone takes rank 0's values: build the whole flat layout once and broadcast it.
             flat = torch.zeros(self.world * self.shard_numel, dtype=self.master_dtype, device=self.device)
             for p in self.params:
@@ -186,16 +197,33 @@ class ZeroParamGroup:
         else:
             # Write only this rank's slice (the shard is allocated first, temporaries after: less fragmentation).
             self.shard = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.device)
-            for p in self.params:
-                if p.local_numel:
-                    if p.original.is_meta and ctx.initial_value is None:
-                        raise AssertionError(f"{p.fqn} is on the meta device but the engine has no initialiser")
-                    value = ctx.initial_value(p) if p.original.is_meta else p.original.detach()  # type: ignore[misc]
-                    self.shard[p.local_start - start : p.local_end - start].copy_(p.local_slice_of(value))
+            self._write_local_values()
         for p in self.params:
             p.bind_piece(self.shard, start)
             p.release_original_storage()
+        if self.values_pending:
+            self.shard.untyped_storage().resize_(0)
         self.storage = torch.empty(0, dtype=torch.uint8, device=self.device).untyped_storage()
+
+    def _write_local_values(self) -> None:
+        start = self.rank * self.shard_numel
+        initial_value = self.context.initial_value
+        for p in self.params:
+            if p.local_numel:
+                if p.original.is_meta and initial_value is None:
+                    raise AssertionError(f"{p.fqn} is on the meta device but the engine has no initialiser")
+                value = initial_value(p) if p.original.is_meta else p.original.detach()  # type: ignore[misc]
+                self.shard[p.local_start - start : p.local_end - start].copy_(p.local_slice_of(value))
+
+    def fill_pending_values(self) -> None:
+        """Gives a shard built with ``defer_values`` its bytes and initial values (see [Note: initial values straight
+        to disk]); the caller writes it out and drops it again."""
+        if not self.values_pending:
+            return
+        self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
+        self.shard.zero_()
+        self._write_local_values()
+        self.values_pending = False
 
     @property
     def unsharded_bytes(self) -> int:

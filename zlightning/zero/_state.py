@@ -55,6 +55,7 @@ from zlightning.zero._config import ZeroConfig, dtype_from_name
 from zlightning.zero._host_memory import pin_mmap_threshold, use_host_cache
 from zlightning.zero._init import ParamInitFn, ShardedInit
 from zlightning.zero._offload import ZeroOffload, close_swap_files
+from zlightning.zero._offload_config import NVMeOffload
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import (
     FlatGradient,
@@ -187,6 +188,7 @@ class ZeroState:
             self.group_context.offload = self.offload
             # swap files never outlive the engine (which lives as long as its module)
             weakref.finalize(self, close_swap_files, self.offload.swappers(), list(self.offload.folders))
+        self._finish_init()
         _ENGINES[id(root)] = self
         watch_engine(self)  # names its collectives for the watchdog (see zlightning/_watchdog.py)
 
@@ -216,16 +218,7 @@ class ZeroState:
                 unit.groups.append(self._new_group(params, persistent=False))
         persistent = [zp for zp in self.params if zp.index in chosen]
         self.persistent_groups = [self._new_group(ps, persistent=True) for ps in split_by_kind(persistent)]
-        if self._init is not None:
-            self._init.done()
-        meta_buffers = [n for n, b in self.root.named_buffers() if b.is_meta]
-        if meta_buffers:
-            raise ValueError(
-                f"buffers {meta_buffers[:5]} are still on the meta device after sharded initialisation: their modules "
-                "must (re)create them in reset_parameters() or param_init_fn, or create them outside the meta context"
-            )
-        for zp in self.params:
-            zp.install(zp.piece)
+        for zp in self.params:  # the pieces go into the modules in _finish_init
             self._by_piece[id(zp.piece)] = zp
         self._used = torch.zeros(len(self.params), dtype=torch.float32)
         self.units = [u for u in self.units if u.groups or u.is_root]
@@ -257,8 +250,33 @@ class ZeroState:
         window = 4 * (self.prefetch_budget + self.reduce_budget) + sum(sizes[:4])
         return window + sum(g.unsharded_bytes for g in self.groups if g.persistent)
 
+    def _finish_init(self) -> None:
+        """After every shard has its initial values (in memory, or written to its swap file): the modules take their
+        pieces. Until then they keep the full-shape originals that sharded initialisation calls ``reset_parameters``
+        on."""
+        pending = [g for g in self.groups if g.values_pending]
+        if pending:
+            raise AssertionError(f"{len(pending)} parameter groups never received their initial values")
+        for zp in self.params:
+            zp.install(zp.piece)
+        if self._init is not None:
+            self._init.done()
+        meta_buffers = [n for n, b in self.root.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ValueError(
+                f"buffers {meta_buffers[:5]} are still on the meta device after sharded initialisation: their modules "
+                "must (re)create them in reset_parameters() or param_init_fn, or create them outside the meta context"
+            )
+
     def _new_group(self, params: list[ZeroParam], persistent: bool) -> ZeroParamGroup:
-        group = ZeroParamGroup(params, self.group_context, persistent=persistent, param_dtype=self.param_dtype)
+        # [Note: initial values straight to disk]
+        # With parameter shards on NVMe and a model built on the meta device, a shard gets its initial values only
+        # when the parameter offloader writes it to its swap file (one group at a time): building every shard first
+        # would hold the whole sharded model in memory once, which is what offloading parameters exists to avoid.
+        defer = isinstance(self.config.offload_params, NVMeOffload) and not persistent and self._init is not None
+        group = ZeroParamGroup(
+            params, self.group_context, persistent=persistent, param_dtype=self.param_dtype, defer_values=defer
+        )
         self.groups.append(group)
         return group
 
