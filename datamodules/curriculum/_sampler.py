@@ -69,6 +69,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -657,7 +658,9 @@ class DeepSpeedDataSampler:
         foreign = not meta_path.exists() and prefix.with_name(prefix.name + ".bin").exists()
         if self.data_parallel_rank == 0 and not foreign:  # every rank computes the same; one per DP group writes
             write_index_file(prefix, members, [members.size], self.index_dtype)
-            tmp = meta_path.with_name(meta_path.name + f".{id(self)}.tmp")
+            # a name no other writer can have (the rank 0 of every DP group writes, possibly in forked processes
+            # where object ids coincide)
+            tmp = meta_path.with_name(meta_path.name + f".{os.getpid()}.{uuid.uuid4().hex}.tmp")
             tmp.write_text(json.dumps(fingerprint))
             tmp.replace(meta_path)
         return members
