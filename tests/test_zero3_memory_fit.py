@@ -116,7 +116,10 @@ def _capped(rank: int, world: int, kind: str, width: int, depth: int, root: str)
                     os.path.join(root, "capped.pt"),
                     "--no-progress",
                 ]
-                done = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+                # glibc reserves 64 MiB of address space (counted by RLIMIT_DATA, never touched) per thread arena;
+                # how many arenas the child's threads get varies run to run, so pin them
+                env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+                done = subprocess.run(cli, capture_output=True, text=True, timeout=300, env=env)
                 out["consolidate"] = "ok" if done.returncode == 0 else done.stderr[-2000:]
     except (RuntimeError, MemoryError) as err:  # DDP runs out of its allowance (gloo may report the peer's failure)
         out["error"] = f"{type(err).__name__}: {str(err)[:300]}"
