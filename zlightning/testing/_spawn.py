@@ -41,11 +41,15 @@ def set_start_method(method: str, preload: Sequence[str] = ()) -> None:
         ValueError: an unknown method.
     """
     global _start_method
-    if method not in ("spawn", "forkserver"):
-        raise ValueError(f"set_start_method: method must be 'spawn' or 'forkserver', got {method!r}")
+    _check_start_method("set_start_method: method", method)
     if method == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(list(preload))
     _start_method = method
+
+
+def _check_start_method(what: str, method: str) -> None:
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"{what} must be 'spawn' or 'forkserver', got {method!r}")
 
 
 class DistributedTestError(RuntimeError):
@@ -181,8 +185,7 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
     method = start_method or _start_method
-    if method not in ("spawn", "forkserver"):
-        raise ValueError(f"run_distributed: start_method must be 'spawn' or 'forkserver', got {method!r}")
+    _check_start_method("run_distributed: start_method", method)
     ctx: Any = mp.get_context(method)  # a SpawnContext or ForkServerContext (both have Process, Queue)
     results = ctx.Queue()
     port = find_free_port()
