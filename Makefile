@@ -50,8 +50,16 @@ bench: $(STAMP)
 	$(PY) benchmarks/zero3.py
 
 # Every GPU-marked test and the GPU measurements; writes benchmarks/results/gpu.md. Without a GPU it says so.
-gpu-check: $(STAMP)
-	$(PY) benchmarks/gpu_check.py
+# Where $(PYTHON) already holds a CUDA build of torch (a GPU image, often offline), the check runs in it with an
+# editable install of this tree (no dependencies fetched); otherwise in .venv like everything else.
+gpu-check:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		echo ">> $(PYTHON) has CUDA torch: installing this tree into it (--no-deps)"; \
+		$(PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e . && \
+		$(PYTHON) benchmarks/gpu_check.py; \
+	else \
+		$(MAKE) install && $(PY) benchmarks/gpu_check.py; \
+	fi
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache kernels/build

@@ -179,15 +179,17 @@ def _triton_quantize():
         valid = (idx < group_size) & (pos < n)
         x = tl.load(x_ptr + pos, mask=valid, other=0.0).to(tl.float32)
         if SYMMETRIC:
-            scale = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=0) / qmax
+            scale = libdevice.div_rn(tl.max(tl.where(valid, tl.abs(x), 0.0), axis=0), qmax)
             off = 0.0
         else:
             mn = tl.min(tl.where(valid, x, float("inf")), axis=0)
             mx = tl.max(tl.where(valid, x, float("-inf")), axis=0)
-            scale = (mx - mn) / qmax
+            scale = libdevice.div_rn(mx - mn, qmax)
             off = mn
         scale = tl.where(scale == 0.0, 1.0, scale)
-        q = libdevice.rint((x - off) / scale)
+        # IEEE-rounded division (div_rn): Triton's `/` on fp32 is the approximate div.full.f32 (up to 2 ulp), which
+        # moved scales by an ulp and flipped codes at rounding ties against the reference (seen on an H200).
+        q = libdevice.rint(libdevice.div_rn(x - off, scale))
         q = tl.minimum(tl.maximum(q, qmin), qmax)
         q = tl.where(valid, q, 0.0)
         tl.store(q_ptr + g * group_size + idx, q.to(tl.int32), mask=idx < group_size)
