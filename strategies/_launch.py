@@ -270,6 +270,8 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
             summary = _report(err, rank, world, print_summary=False)
             raise RankFailedError(summary) from None
         _destroy_process_groups()  # see [Note: a spawned rank leaves its process groups before it exits]
+        if self._start_method == "spawn":
+            _exit_like_a_forked_rank()
 
 
 def _destroy_process_groups() -> None:
@@ -281,12 +283,34 @@ def _destroy_process_groups() -> None:
     called without an active exception") after ``fit`` had finished, failing the whole launch. Every collective of
     the run has completed when the worker function returns (rank 0's results were gathered collectively), so each
     rank destroys its groups locally, while the interpreter is fully alive.
+
+    That alone did not do it (CI, and 1 run in 2 here under load): after ``destroy_process_group`` the gloo threads
+    (``gloo_tcp_loop``, two ``pt_gloo_runloop``) are still running, the groups being still referenced from C++, and
+    the finalisation of a spawned interpreter (``sys.exit`` at the end of ``multiprocessing.spawn``) destroys them
+    in no particular order. Ranks started by ``fork`` and ``forkserver`` never finalise: ``multiprocessing`` ends
+    them with ``os._exit`` once their target returns. So a spawned rank that finished its work ends the same way
+    (`_exit_like_a_forked_rank`), after flushing its output and running its ``atexit`` handlers (swap-folder
+    cleanup among them) while everything is alive. Rank 0's result is already in the parent's pipe by then
+    (Lightning's ``SimpleQueue.put`` writes synchronously).
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
             torch.distributed.destroy_process_group()
         except Exception:  # noqa: BLE001 - best effort: the process is about to exit
             pass
+
+
+def _exit_like_a_forked_rank() -> NoReturn:
+    """Ends a spawned rank whose work is done as ``multiprocessing`` ends a forked one (see the note above)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be written anyway
+            pass
+    os._exit(0)
 
 
 class _RankObserver(_ChildProcessObserver):
