@@ -37,7 +37,8 @@ import pickle
 import re
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from mmap import MAP_SHARED
+from typing import Any, Literal
 
 import torch
 
@@ -128,13 +129,20 @@ def _refused(path: str | os.PathLike[str], err: pickle.UnpicklingError) -> str:
     return " ".join((match.group(1) if match else str(err)).split())
 
 
+# [Note: reading a checkpoint through a shared map]
+# ``torch.load(mmap=True)`` maps the file private and writable. Such a mapping takes no memory until written, but the
+# kernel charges all of it to the process's data segment (``RLIMIT_DATA``) and, under strict overcommit, to its
+# commit charge: consolidating a checkpoint whose rank files add up to more than the memory limit failed there before
+# reading a byte (seen with a cap that training itself met). A shared mapping is charged to neither. Its tensors
+# write through to the file, so only callers that never write into what they loaded (``consolidate`` copies out of
+# the shards) ask for it.
 def load_file(
     path: str | os.PathLike[str],
     *,
     weights_only: bool | None = None,
     opt_in: str | None,
     map_location: Any = "cpu",
-    mmap: bool = False,
+    mmap: bool | Literal["shared"] = False,
 ) -> Any:
     """``torch.load`` that never runs code from the file unless the caller opted in. See [Note: what loading trusts].
 
@@ -144,16 +152,20 @@ def load_file(
         opt_in: how the user of the calling entry point opts in (named in the error); None for a format that holds
             only plain data and so has no opt-in.
         map_location: as ``torch.load``.
-        mmap: as ``torch.load``: tensors are views of the memory-mapped file (read on use).
+        mmap: as ``torch.load``: tensors are views of the memory-mapped file (read on use). ``"shared"`` maps it
+            shared, for callers that only ever read the tensors: see [Note: reading a checkpoint through a shared map].
 
     Raises:
         UnsafeCheckpointError: the file names a type weights-only loading refuses (nothing from it was called).
     """
     register_lightning_safe_globals()
+    if mmap == "shared":
+        with torch.serialization.set_default_mmap_options(MAP_SHARED):
+            return load_file(path, weights_only=weights_only, opt_in=opt_in, map_location=map_location, mmap=True)
     if weights_only is False:
-        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=bool(mmap))
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=bool(mmap))
     except pickle.UnpicklingError as err:
         how = (
             f"If you trust where this checkpoint comes from, load it with {opt_in}."

@@ -575,7 +575,7 @@ def consolidate(
     legacy = meta["version"] == 1 and (ckpt_dir / CLIENT).is_file()  # buffers in the client state
     _verify_files(ckpt_dir, meta, [_rank_file(r) for r in range(world)] + ([CLIENT] if legacy else []))
     payloads = [
-        load_file(ckpt_dir / _rank_file(r), weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN, mmap=True)
+        load_file(ckpt_dir / _rank_file(r), weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN, mmap="shared")
         for r in range(world)
     ]
     buffers: dict[str, Any] = dict(payloads[0].get(BUFFERS, {}))
