@@ -53,7 +53,7 @@ def _meta_init(rank: int, world: int, width: int, depth: int) -> dict[str, Any]:
 
 def test_meta_init_memory_near_one_over_n() -> None:
     width, depth, world = 1536, 12, 2  # 28 M parameters: 113 MB in fp32
-    for r in run_distributed(_meta_init, world, width, depth, timeout=300):
+    for r in run_distributed(_meta_init, world, width, depth, timeout=300, start_method="spawn"):
         # never a full model on a rank: shards (1/N) plus one unit being initialised, plus allocator slack
         assert r["growth"] < r["full_bytes"] / world + 2 * r["unit"] + 16 * 2**20, r
 
