@@ -37,6 +37,9 @@ class HostCacheStats:
     """Requests served from an idle block."""
     misses: int
     """Requests that mapped a new block."""
+    shed_bytes: int = 0
+    """Bytes of idle blocks whose pages were dropped (kept mapped) to make room for a request of another size; see
+    [Note: shedding idle blocks of other sizes] in the C++ source."""
 
 
 def enable_host_cache(min_bytes: int = DEFAULT_MIN_BYTES) -> bool:
@@ -69,5 +72,5 @@ def empty_host_cache() -> int:
 
 def host_cache_stats() -> HostCacheStats:
     """The allocator's counters (zeros when the native library is not loaded or the cache was never enabled)."""
-    values = list(torch.ops.zlightning.host_cache_stats()) if _ext.available() else [0] * 7
+    values = list(torch.ops.zlightning.host_cache_stats()) if _ext.available() else [0] * 8
     return HostCacheStats(bool(values[0]), *values[1:])

@@ -1,0 +1,66 @@
+"""The caching host allocator (kernels/csrc/host_cache.cpp): reuse, and shedding idle blocks of other sizes.
+
+Each check runs in a fresh interpreter: enabling the cache replaces the process's CPU allocator for good.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from zlightning.kernels import _ext
+
+pytestmark = pytest.mark.skipif(not _ext.available(), reason="native kernels not built")
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from zlightning.kernels._host_cache import enable_host_cache, host_cache_stats
+
+    def rss_anon():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+
+    MIB = 1 << 20
+    assert enable_host_cache()
+    out = {}
+    a = torch.empty(4 * MIB // 4).fill_(1.0)  # a unit-sized block, touched
+    del a                                     # idle and resident
+    s0, r0 = host_cache_stats(), rss_anon()
+    b = torch.empty(2 * MIB // 4).fill_(1.0)  # another size: the idle 4 MiB block cannot serve it
+    s1, r1 = host_cache_stats(), rss_anon()
+    out["miss"] = s1.misses - s0.misses
+    out["shed_first"] = s1.shed_bytes - s0.shed_bytes
+    out["rss_growth_first"] = r1 - r0
+    del b
+    c = torch.empty(4 * MIB // 4).fill_(2.0)  # the 4 MiB block again: its pages come back, the 2 MiB one goes
+    s2 = host_cache_stats()
+    out["hit_again"] = s2.hits - s1.hits
+    out["miss_again"] = s2.misses - s1.misses
+    out["shed_second"] = s2.shed_bytes - s1.shed_bytes
+    out["values_ok"] = bool((c == 2.0).all())
+    del c
+    d = torch.empty(4 * MIB // 4)             # its resident block again: no page faults, so nothing is shed
+    s3 = host_cache_stats()
+    out["resident_reuse"] = (s3.hits - s2.hits, s3.shed_bytes - s2.shed_bytes)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_idle_blocks_of_another_size_are_shed_not_kept_resident() -> None:
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    mib = 1 << 20
+    assert out["miss"] == 1, out
+    assert out["shed_first"] == 4 * mib, out  # the whole idle block's pages were dropped
+    # mapping 2 MiB while dropping 4 MiB: resident memory falls (kept resident, it would have grown by 2 MiB)
+    assert out["rss_growth_first"] < mib, out
+    assert out["hit_again"] == 1 and out["miss_again"] == 0, out  # the dropped block is reused, still mapped
+    assert out["shed_second"] == 2 * mib, out
+    assert out["values_ok"], out
+    assert out["resident_reuse"] == [1, 0], out
