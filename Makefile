@@ -51,11 +51,13 @@ bench: $(STAMP)
 
 # Every GPU-marked test and the GPU measurements; writes benchmarks/results/gpu.md. Without a GPU it says so.
 # Where $(PYTHON) already holds a CUDA build of torch (a GPU image, often offline), the check runs in it with an
-# editable install of this tree (no dependencies fetched); otherwise in .venv like everything else.
+# editable install of this tree (no dependencies fetched) and the native kernels built for that torch; otherwise in
+# .venv like everything else.
 gpu-check:
 	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
 		echo ">> $(PYTHON) has CUDA torch: installing this tree into it (--no-deps)"; \
 		$(PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e . && \
+		{ $(PYTHON) -m zlightning.kernels._build || echo ">> native kernels not built: PyTorch fallbacks measured"; } && \
 		$(PYTHON) benchmarks/gpu_check.py; \
 	else \
 		$(MAKE) install && $(PY) benchmarks/gpu_check.py; \
