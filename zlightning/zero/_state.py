@@ -510,10 +510,11 @@ class ZeroState:
     # [Note: room for a gradient before packing it]
     # The reduce budget (one unit by default) bounds the gradients in flight. Waiting for the oldest reduce-scatter
     # only after the next one was issued held two packed unit gradients at once, plus autograd's own copy of the one
-    # being packed: a unit's worth of memory at the backward peak (4 MiB of the 9.3 bytes per parameter measured on
-    # 24 x Linear(1024) at 2 ranks) for no overlap: the older reduction has had the whole backward of this unit to
-    # finish. So room is made before packing, and the packed gradient takes the finished one's pool slot; the new
-    # reduction then overlaps the next unit's backward, as before.
+    # being packed, for no overlap: the older reduction has had the whole backward of this unit to finish. So room is
+    # made before packing, and the packed gradient takes the finished one's pool slot; the new reduction overlaps the
+    # next unit's backward, as before. (On 24 x Linear(1024) at 2 ranks this moment was not the step's peak, which
+    # comes while a unit computes with the next unit prefetched and the previous one's reduction in flight: peak
+    # unchanged there, one buffer less wherever packing is the peak.)
     def _reduce(self, group: ZeroParamGroup, flat: FlatGradient) -> None:
         if self.world_size > 1:
             flat.tensor.div_(self.world_size)
