@@ -284,7 +284,7 @@ def _destroy_process_groups() -> None:
     the run has completed when the worker function returns (rank 0's results were gathered collectively), so each
     rank destroys its groups locally, while the interpreter is fully alive.
 
-    That alone did not do it (CI, and 1 run in 2 here under load): after ``destroy_process_group`` the gloo threads
+    That alone did not do it (CI, and about 1 run in 6 here): after ``destroy_process_group`` the gloo threads
     (``gloo_tcp_loop``, two ``pt_gloo_runloop``) are still running, the groups being still referenced from C++, and
     the finalisation of a spawned interpreter (``sys.exit`` at the end of ``multiprocessing.spawn``) destroys them
     in no particular order. Ranks started by ``fork`` and ``forkserver`` never finalise: ``multiprocessing`` ends
