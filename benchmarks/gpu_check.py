@@ -238,13 +238,18 @@ def _run(fn: Any, world: int, *args: Any, init: bool = False) -> list[Any]:
     return run_distributed(fn, world, *args, init_process_group=init, timeout=900)
 
 
+def _failure(err: Exception) -> dict[str, str]:
+    """A failed measurement's record: the error's start and its tail (a rank's traceback ends with the cause)."""
+    text = str(err)
+    return {"status": f"failed: {type(err).__name__}: {text[:300]} ... {text[-1500:]}"}
+
+
 def _guarded(fn: Any, world: int, *args: Any) -> dict[str, Any]:
     """One variant of a measurement; its failure is recorded without hiding the other variants."""
     try:
         return _run(fn, world, *args, tempfile.mkdtemp(prefix="zl-gpu-swap-"))[0]
     except Exception as err:  # noqa: BLE001
-        text = str(err)
-        return {"status": f"failed: {type(err).__name__}: {text[:300]} ... {text[-1500:]}"}
+        return _failure(err)
 
 
 def measure(args: argparse.Namespace, tests_rc: int | None) -> dict[str, Any]:
@@ -262,10 +267,11 @@ def measure(args: argparse.Namespace, tests_rc: int | None) -> dict[str, Any]:
     for name in args.only or MEASUREMENTS:
         print(f">> {name}", flush=True)
         try:
-            results[name] = {"status": "ok", **plan[name]()}
+            found = plan[name]()
+            failed = [k for k, v in found.items() if isinstance(v, dict) and v.get("status", "ok") != "ok"]
+            results[name] = {"status": f"failed: {', '.join(failed)}" if failed else "ok", **found}
         except Exception as err:  # noqa: BLE001  (recorded; the other measurements still run)
-            text = str(err)  # a rank's traceback ends with the cause: keep its tail
-            results[name] = {"status": f"failed: {type(err).__name__}: {text[:300]} ... {text[-1500:]}"}
+            results[name] = _failure(err)
         print(f"   {results[name]}", flush=True)
         _write(args.out, tests_rc, results)  # after each one: a run cut off by a time limit keeps what it measured
     return results
