@@ -150,6 +150,26 @@ def test_o_direct_fallback_warns_and_on_refuses(tmp_path: Path, monkeypatch: Any
         os.rmdir(root)
 
 
+def test_parameter_reads_wait_for_a_slow_disk_when_every_buffer_is_a_write(tmp_path: Path, world1: None) -> None:
+    """With every pool buffer held by a write still in flight (a slow disk: writes report done only when waited for),
+    reading a shard on demand waits for a write instead of failing "all swap buffers are in use" (found on a CI
+    machine whose disk was slower than this one's)."""
+    data = batches(3, 4)
+    results = []
+    for slow in (False, True):
+        torch.manual_seed(0)
+        model, zero = _engine(tmp_path / str(slow), params=True)
+        if slow:
+            writer = zero.state.offload.params.swapper.writer
+            writer.done = lambda ticket: False  # type: ignore[method-assign]
+        for batch in data:
+            _step(model, zero, batch)
+        results.append(zero.module_state_dict())
+        zero.close()
+    for name, value in results[0].items():
+        assert torch.equal(results[1][name], value), name
+
+
 # ==================================================================== disk full, corruption
 @pytest.mark.parametrize("engine", ["portable", "kernels"])
 def test_disk_full_during_swap_is_a_clear_error(tmp_path: Path, world1: None, engine: str) -> None:

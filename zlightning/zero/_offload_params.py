@@ -90,8 +90,7 @@ class ParamOffloader:
             return
         t = self.files[key]
         if t.state is SwapState.ON_NVME:
-            if self.swapper.pool.free_count == 0:
-                self._reclaim()
+            self._make_room()
             self.swapper.read(t)
         if self.swapper.is_reading(t):
             self.swapper.wait_read(t)  # this group's read only: later prefetches stay in flight
@@ -101,6 +100,17 @@ class ParamOffloader:
             group.shard.copy_(t.data())
         self.swapper.release(t)
         self.resident.add(key)
+
+    def _make_room(self) -> None:
+        """Frees a pool buffer for a read on demand: finished writes first, then unconsumed prefetches, and only
+        then waits for the writes still in flight (with ``buffer_count`` commits in flight every buffer is a write's,
+        and how many are still in flight depends on the disk's speed)."""
+        if self.swapper.pool.free_count == 0:
+            self.swapper.reap_writes()
+        if self.swapper.pool.free_count == 0:
+            self._reclaim()
+        if self.swapper.pool.free_count == 0:
+            self.swapper.wait_writes()
 
     def _reclaim(self) -> None:
         """Returns buffers of prefetched shards nobody consumed (the execution order changed) to the pool."""
