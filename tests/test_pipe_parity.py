@@ -22,6 +22,7 @@ from examples.gpt_pipe import gpt_pipeline
 from zlightning.pipe import (
     PipelineConfig,
     PipelineEngine,
+    build_schedule,
     consolidate_pipeline_checkpoint,
     load_pipeline_checkpoint,
     save_pipeline_checkpoint,
@@ -165,6 +166,8 @@ def rank_two_stages(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
             2, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), **kw
         )
         out[sched] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
+        if sched == "zbv":  # reordered by the costs measured on the second batch ([Note: calibrating zbv])
+            out["zbv_calibrated"] = (engine._calibration.costs if engine._calibration else None, engine.train_schedule)
         if sched == "zbv":  # a zero-bubble checkpoint resumes into another schedule and split (zb_h1, 2 stages)
             save_pipeline_checkpoint(engine, f"{ckpt_dir}/zbv")
             other = PipelineEngine(
@@ -243,6 +246,10 @@ def test_two_stages_match_single_process(two_stage_runs: Any, schedule: str) -> 
     else:
         assert "tied_modules.embed.weight" not in runs[1][schedule]["state"]
     assert len(runs[0][schedule]["bounds"]) == 2 * CHUNKS[schedule] + 1
+    if schedule == "zbv":  # the losses and states above span the reorder after the second batch
+        (costs, sched), (costs1, sched1) = (r["zbv_calibrated"] for r in runs)
+        assert costs is not None and costs == costs1 and sched == sched1  # every rank chose the same order
+        assert sched == build_schedule("zbv", 2, MICRO, 2, costs=costs)
 
 
 def test_zero_bubble_checkpoint_resumes_into_another_schedule(two_stage_runs: Any) -> None:

@@ -10,12 +10,22 @@ from zlightning.pipe._checkpoint import (
 )
 from zlightning.pipe._engine import PipelineConfig, PipelineEngine
 from zlightning.pipe._module import PipelineModule
-from zlightning.pipe._schedule import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, timeline
+from zlightning.pipe._schedule import (
+    Action,
+    ActionCosts,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    simulate,
+    timeline,
+)
 from zlightning.pipe._spec import LayerSpec, TiedLayerSpec
 from zlightning.pipe._topology import PipeGrid
 
 __all__ = [
     "Action",
+    "ActionCosts",
     "ActionKind",
     "LayerSpec",
     "PipeGrid",

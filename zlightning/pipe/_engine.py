@@ -53,11 +53,12 @@ from torch import nn
 
 from zlightning import _gradnorm
 from zlightning.inject import InjectPolicy
+from zlightning.pipe._calibrate import ZbvCalibration
 from zlightning.pipe._executor import BatchRun
 from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
-from zlightning.pipe._schedule import Placement, Schedule, build_schedule
+from zlightning.pipe._schedule import ActionCosts, Placement, Schedule, build_schedule
 from zlightning.pipe._stage import PipelineStage
 from zlightning.pipe._tensor import shard_stage
 from zlightning.pipe._topology import PipeGrid, PipeGroups
@@ -86,6 +87,10 @@ class PipelineConfig:
     or the zero-bubble schedules that split each backward into input and weight gradients: ``zb_h1`` (1F1B's peak
     memory, about a third of its bubble) and ``zbv`` (two chunks per rank in a V); see [Note: zero-bubble schedules]
     in ``_schedule.py``."""
+    schedule_costs: ActionCosts | Literal["auto", "unit"] = "auto"
+    """What ``zbv`` orders its actions by (the other schedules' orders do not depend on costs): ``"auto"`` measures
+    the model's forward, input-backward and weight-backward times on the second training batch and reorders once (see
+    [Note: calibrating zbv] in ``_calibrate.py``); ``"unit"`` assumes them equal; an ``ActionCosts`` gives them."""
     virtual_stages: int | None = None
     """Model chunks per rank; default 2 for ``interleaved_1f1b`` and ``zbv`` (which needs 2), else 1."""
     zero_stage: int = 0
@@ -111,6 +116,11 @@ class PipelineConfig:
         if self.schedule not in _SCHEDULE_NAMES:
             raise ValueError(
                 f"PipelineConfig: schedule must be one of {', '.join(repr(n) for n in _SCHEDULE_NAMES)}, got {self.schedule!r}"
+            )
+        if not isinstance(self.schedule_costs, ActionCosts) and self.schedule_costs not in ("auto", "unit"):
+            raise ValueError(
+                "PipelineConfig: schedule_costs must be 'auto', 'unit' or a zlightning.pipe.ActionCosts, got "
+                f"{self.schedule_costs!r}"
             )
         v = self.virtual_stages
         if v is not None and (not isinstance(v, int) or v < 1):
@@ -245,7 +255,12 @@ class PipelineEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL point-to-point picks the current device
         v = config.chunks_per_rank
-        self.train_schedule: Schedule = build_schedule(config.schedule, pp, config.micro_batches, v)
+        costs = config.schedule_costs if isinstance(config.schedule_costs, ActionCosts) else None
+        self.train_schedule: Schedule = build_schedule(config.schedule, pp, config.micro_batches, v, costs=costs)
+        self._calibration = (
+            ZbvCalibration() if config.schedule == "zbv" and config.schedule_costs == "auto" and pp > 1 else None
+        )
+        """Reorders ``zbv`` by measured costs once; see [Note: calibrating zbv]."""
         self.eval_schedule: Schedule = build_schedule("inference", pp, config.micro_batches, v, config.placement)
         self.module = module
         stages = self.train_schedule.stages_of(self.grid.stage)
@@ -368,6 +383,8 @@ class PipelineEngine:
     ) -> BatchRun:
         if not self._inputs_checked:
             self._check_tp_inputs(inputs, labels)
+        calibrate = schedule.training and self._calibration is not None and self._calibration.due()
+        timings = [] if calibrate else self.timings
         run = BatchRun(
             self.stage,
             schedule,
@@ -376,9 +393,15 @@ class PipelineEngine:
             loss_scale=self.loss_scale_factor * self.loss_scale / schedule.num_microbatches,
             keep_outputs=keep,
             with_loss=with_loss,
-            timings=self.timings,
+            timings=timings,
         )
         run.run()
+        if calibrate and timings is not None and self._calibration is not None:
+            if self.timings is not None:
+                self.timings.extend(timings)
+            costs = self._calibration.agree(timings, self.device)
+            s = self.train_schedule
+            self.train_schedule = build_schedule("zbv", s.num_ranks, s.num_microbatches, 2, costs=costs)
         if self.zero is not None and not schedule.training:
             self.zero.release()
         return run

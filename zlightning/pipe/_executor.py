@@ -55,8 +55,9 @@ class BatchRun:
     with_loss: bool = True
     """Compute the loss on the last stage (False for prediction)."""
     timings: list[tuple[str, float, float]] | None = None
-    """If a list, each compute action appends ``(action, start, end)`` (``time.perf_counter``; CPU clocks, so on CUDA
-    the spans cover launch time unless the device is synchronised). Used by the benchmark's bubble measurement."""
+    """If a list, each compute action appends ``(action, start, end)`` (``time.perf_counter``; on CUDA the device is
+    synchronised after each timed action, so a span covers its kernels, not only their launch). Used by the
+    benchmark's bubble measurement and by zbv's calibration (``_calibrate.py``)."""
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: dict[int, Any] = field(default_factory=dict)
     _x: dict[tuple[int, int], Any] = field(default_factory=dict)
@@ -112,6 +113,8 @@ class BatchRun:
                 if self.timings is not None and action.kind in timed:
                     start = time.perf_counter()
                     handlers[action.kind](action)
+                    if self.stage.device.type == "cuda":
+                        torch.cuda.synchronize(self.stage.device)
                     self.timings.append((str(action), start, time.perf_counter()))
                 else:
                     handlers[action.kind](action)

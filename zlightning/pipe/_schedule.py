@@ -29,7 +29,7 @@ after the last ``B``. With unit costs F = B = W the idle time per rank drops fro
 units (a third) when ``M >= P``. Each rank then holds at most ``min(P, M)`` micro-batches of activations (until their
 ``W``): 1F1B's peak (that of rank 0), reached on every rank instead of only the first. ``zbv`` places two chunks per
 rank in a V (rank ``r`` holds stages ``r`` and ``2P - 1 - r``, so the first and last stage share rank 0 and the
-turn at rank ``P - 1`` needs no transfer) and orders the actions with a list scheduler over unit chunk costs (the
+turn at rank ``P - 1`` needs no transfer) and orders the actions with a list scheduler over chunk costs (``ActionCosts``; the
 first stage's ``B`` free and its ``W`` the whole backward, see [Note: the first stage's split backward]): when a rank
 is free it runs a ready ``B`` (the lowest micro-batch, the later stage first), else the forward of its deepest chunk
 that is ready, within 1F1B's activation peak of ``2P`` chunk activations (a chunk-0 forward leaves one slot for
@@ -38,6 +38,15 @@ ZBV): P = 2, M = 8: 0.111 / 0.040 / 0.040; P = 4, M = 16: 0.158 / 0.059 / 0.086;
 0.229. This list scheduler matches ZB-H1 on two ranks and falls behind it beyond (from P = 8 behind 1F1B too): it
 is not the paper's handcrafted ZB-V, whose order for any P is not implemented. ``zb_h1`` is the better choice
 whenever P > 2; ``zbv`` holds two chunks per rank (half the layers per action, twice the transfers).
+
+[Note: zbv orders by measured costs]
+The list scheduler's order is only as good as the costs it is given. Ordered over unit costs and run where a weight
+gradient costs less than an input gradient (the usual case: attention's backward is mostly input-side work), the
+order leaves more idle time than 1F1B: the timing model at P = 2, M = 8 with F = 1, B = 1.3, W = 0.7 gives 0.156
+(1F1B 0.111), and the same list scheduler ordering over those costs gives 0.073. So ``zbv`` takes the costs
+(``ActionCosts``), and the engine measures them (``PipelineConfig(schedule_costs="auto")``, see
+[Note: calibrating zbv] in ``_calibrate.py``). ``zb_h1``'s fixed order degrades less (0.062 there) and a list
+scheduler does worse than it on one chunk per rank beyond P = 2, so it stays as it is.
 
 [Note: communication model]
 Sends are non-blocking (``isend``; completed at the end of the batch) and receives block. Per ordered rank pair the
@@ -57,6 +66,7 @@ from typing import Literal
 
 __all__ = [
     "Action",
+    "ActionCosts",
     "ActionKind",
     "Placement",
     "Schedule",
@@ -119,6 +129,37 @@ class Action:
         if match is None:
             raise ValueError(f"cannot parse pipeline action {text!r}; expected e.g. '0F1', '2B0', '1SEND_F3'")
         return Action(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Relative durations of one chunk's actions, which ``zbv`` orders by (only their ratios matter); see
+    [Note: zbv orders by measured costs]. The first stage's ``B`` is free and its ``W`` costs both (see
+    [Note: the first stage's split backward]).
+
+    Raises:
+        ValueError: a cost that is not a positive finite number.
+    """
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    """``B`` of a split backward: the gradient of the chunk's input."""
+    backward_weight: float = 1.0
+    """``W``: the weight gradients."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward_input", "backward_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"ActionCosts.{name} must be a positive finite number, got {value!r}")
+
+    def of(self, a: Action) -> float:
+        """The cost of compute action ``a`` of a split backward."""
+        if a.kind is ActionKind.FORWARD:
+            return float(self.forward)
+        if a.stage == 0:  # see [Note: the first stage's split backward]
+            return 0.0 if a.kind is ActionKind.BACKWARD else float(self.backward_input + self.backward_weight)
+        return float(self.backward_input if a.kind is ActionKind.BACKWARD else self.backward_weight)
 
 
 @dataclass(frozen=True)
@@ -334,18 +375,20 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     return Schedule("zb_h1", num_ranks, num_ranks, num_microbatches, tuple(programs))
 
 
-def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
+def zbv(num_ranks: int, num_microbatches: int, costs: ActionCosts | None = None) -> Schedule:
     """The V-shaped zero-bubble schedule: two chunks per rank in the ``"v"`` placement, ordered by a list scheduler
-    over unit chunk costs; see [Note: zero-bubble schedules]."""
+    over chunk costs (unit costs when None); see [Note: zero-bubble schedules] and
+    [Note: zbv orders by measured costs]."""
     _check_sizes("zbv", num_ranks, num_microbatches)
-    return _VListScheduler(num_ranks, num_microbatches).run()
+    return _VListScheduler(num_ranks, num_microbatches, costs or ActionCosts()).run()
 
 
 class _VListScheduler:
-    """Event-driven list scheduling of F/B/W over the ``"v"`` placement with unit chunk costs. Ranks act in time
+    """Event-driven list scheduling of F/B/W over the ``"v"`` placement with given chunk costs. Ranks act in time
     order (the earliest free rank first), so every decision sees only work already finished at that time."""
 
-    def __init__(self, num_ranks: int, num_microbatches: int) -> None:
+    def __init__(self, num_ranks: int, num_microbatches: int, costs: ActionCosts) -> None:
+        self.costs = costs
         self.P, self.M, self.S = num_ranks, num_microbatches, 2 * num_ranks
         self.limit = 2 * num_ranks  # 1F1B's activation peak, in chunk activations (one chunk is half a rank's layers)
         self.stages = [(r, 2 * num_ranks - 1 - r) for r in range(num_ranks)]
@@ -384,15 +427,8 @@ class _VListScheduler:
             return Action(s, ActionKind.WEIGHT, m)
         return None
 
-    def _cost(self, a: Action) -> float:
-        """Unit chunk costs; the first stage's B is free and its W the whole backward (see [Note: the first stage's
-        split backward])."""
-        if a.stage == 0 and a.kind is not ActionKind.FORWARD:
-            return 0.0 if a.kind is ActionKind.BACKWARD else 2.0
-        return 1.0
-
     def _apply(self, r: int, a: Action) -> None:
-        key, end = (a.stage, a.microbatch), self.clock[r] + self._cost(a)
+        key, end = (a.stage, a.microbatch), self.clock[r] + self.costs.of(a)
         if a.kind is ActionKind.FORWARD:
             self.f_end[key] = end
             self.next_f[a.stage] += 1
@@ -432,11 +468,17 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "inference")
 
 
 def build_schedule(
-    name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, placement: Placement = "loop"
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    placement: Placement = "loop",
+    costs: ActionCosts | None = None,
 ) -> Schedule:
     """The lowered, simulated schedule called ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zb_h1``,
-    ``zbv``, ``inference``). ``zbv`` has two chunks per rank in the ``"v"`` placement; ``placement`` only matters
-    for ``inference``, which must match the training schedule's.
+    ``zbv``, ``inference``). ``zbv`` has two chunks per rank in the ``"v"`` placement and is ordered by ``costs``
+    (unit costs when None; the other schedules' orders do not depend on costs); ``placement`` only matters for
+    ``inference``, which must match the training schedule's.
 
     Raises:
         ValueError: unknown name or invalid sizes.
@@ -451,7 +493,7 @@ def build_schedule(
     elif name == "zb_h1":
         sched = zb_h1(num_ranks, num_microbatches)
     elif name == "zbv":
-        sched = zbv(num_ranks, num_microbatches)
+        sched = zbv(num_ranks, num_microbatches, costs)
     elif name == "inference":
         sched = inference(num_ranks, num_microbatches, virtual_stages, placement)
     else:
