@@ -59,6 +59,7 @@ every action at its stage's median time gives 1.02x theory. The zero-bubble sche
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -226,6 +227,7 @@ def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) ->
         "replay_bubble": statistics.median(replays),
         "median_replay_bubble": statistics.median(medians),
         "peak_act_mib": _per_rank(peak),
+        "costs": dataclasses.asdict(engine.schedule_costs) if engine.schedule_costs is not None else None,
     }
 
 
@@ -302,6 +304,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
             "runs_step_s": [o["step_s"] for o in outs],
             "peak_act_mib": outs[0]["peak_act_mib"],
         }
+        if outs[0].get("costs") is not None:  # zbv's order: the costs measured in each run
+            row["costs"] = [o["costs"] for o in outs]
         for key in ("bubble", "replay_bubble", "median_replay_bubble"):
             if key in outs[0]:
                 row[key] = statistics.median(o[key] for o in outs)
@@ -457,6 +461,18 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                     f"| {z['m']} | {name} | {a['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in a['per_repetition'])}) | {vs_torch} | "
                     f"{z[f'{name}_bubble_over_1f1b']:.2f} ({z[f'{name}_replay_bubble_over_1f1b']:.2f}) | {peaks} vs {ref} |"
                 )
+    measured = [(r["m"], c) for r in result["rows"] if r.get("costs") for c in r["costs"]]
+    if measured:
+        lines += [
+            "",
+            "zbv's order comes from the costs it measured on its second batch (F / B / W relative to the forward, "
+            "per run; see [Note: calibrating zbv]): "
+            + "; ".join(
+                f"m={m}: {c['forward']:.2f} / {c['backward_input']:.2f} / {c['backward_weight']:.2f}"
+                for m, c in measured
+            )
+            + ".",
+        ]
     lines += ["", "Why the 1F1B bubble exceeds theory at larger m on this machine: " + _NOTE_1F1B]
     path.write_text("\n".join(lines) + "\n")
 

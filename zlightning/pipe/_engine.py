@@ -319,6 +319,15 @@ class PipelineEngine:
         return self.stage.p2p
 
     @property
+    def schedule_costs(self) -> ActionCosts | None:
+        """The costs the training schedule is ordered by: those given, those measured (``"auto"``, after the second
+        training batch; see [Note: calibrating zbv]), or None (unit costs, or a schedule whose order ignores them)."""
+        if self._calibration is not None:
+            return self._calibration.costs
+        given = self.config.schedule_costs
+        return given if isinstance(given, ActionCosts) and self.config.schedule == "zbv" else None
+
+    @property
     def zero(self) -> StageSharding | None:
         """ZeRO-2/3 engines of this rank's stage(s); see [Note: ZeRO inside a pipeline stage]. None below stage 2."""
         return self.stage.zero
