@@ -64,3 +64,38 @@ def test_idle_blocks_of_another_size_are_shed_not_kept_resident() -> None:
     assert out["shed_second"] == 2 * mib, out
     assert out["values_ok"], out
     assert out["resident_reuse"] == [1, 0], out
+
+
+_BELOW_PEAK = textwrap.dedent(
+    """
+    import json, torch
+    from zlightning.kernels._host_cache import empty_host_cache, enable_host_cache, host_cache_stats
+
+    MIB = 1 << 20
+    assert enable_host_cache()
+    peak = [torch.empty(4 * MIB // 4).fill_(1.0) for _ in range(3)]  # 12 MiB live at once: the high-water mark
+    del peak
+    empty_host_cache()
+    s0 = host_cache_stats()
+    for _ in range(3):  # phases of other sizes, 10 MiB together: below the mark, so nothing needs dropping
+        small = [torch.empty(2 * MIB // 4).fill_(2.0) for _ in range(3)]
+        del small
+        big = torch.empty(4 * MIB // 4).fill_(3.0)
+        del big
+    s1 = host_cache_stats()
+    over = [torch.empty(4 * MIB // 4).fill_(4.0) for _ in range(3)]  # 12 MiB live with 6 MiB idle resident
+    s2 = host_cache_stats()
+    print(json.dumps({"shed_below": s1.shed_bytes - s0.shed_bytes, "misses_below": s1.misses - s0.misses,
+                      "shed_over": s2.shed_bytes - s1.shed_bytes}))
+    """
+)
+
+
+def test_idle_blocks_stay_resident_below_the_live_high_water_mark() -> None:
+    """Phases that alternate sizes keep each other's idle blocks while live plus resident idle bytes stay within the
+    most ever live (no re-faulting churn); past it, idle blocks of other sizes are dropped."""
+    done = subprocess.run([sys.executable, "-c", _BELOW_PEAK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["misses_below"] == 4 and out["shed_below"] == 0, out  # mapped once each, then reused resident
+    assert out["shed_over"] >= 4 * (1 << 20), out  # 12 MiB live again: the 2 MiB blocks' pages had to go
