@@ -401,14 +401,17 @@ _CHECKSUM_COLUMNS = 512
 """Words per row of the checksum's 2-D view (4 KiB rows; every O_DIRECT block is a whole number of them)."""
 
 
-def _ramp(n: int, start: int) -> torch.Tensor:
-    """Cached ``arange(start, start + n)`` in int64 (read-only; shared by the I/O threads)."""
-    key = n if start == 0 else -n
+def _weights(rows: int) -> torch.Tensor:
+    """Cached ``[2, rows + C]`` int64 matrix that turns ``cat(row sums, column sums)`` into ``(plain, weighted)``
+    (read-only; shared by the I/O threads). See [Note: checksum cost]."""
     with _WEIGHTS_LOCK:
-        ramp = _WEIGHTS.get(key)
-        if ramp is None:
-            ramp = _WEIGHTS[key] = torch.arange(start, start + n, dtype=torch.int64)
-    return ramp
+        w = _WEIGHTS.get(rows)
+        if w is None:
+            c = _CHECKSUM_COLUMNS
+            plain = torch.cat([torch.ones(rows, dtype=torch.int64), torch.zeros(c, dtype=torch.int64)])
+            weighted = torch.cat([c * torch.arange(rows, dtype=torch.int64), torch.arange(1, c + 1, dtype=torch.int64)])
+            w = _WEIGHTS[rows] = torch.stack([plain, weighted])
+    return w
 
 
 def block_checksum(chunk: torch.Tensor) -> int:
@@ -418,20 +421,23 @@ def block_checksum(chunk: torch.Tensor) -> int:
     [Note: checksum cost]
     The weighted sum is not formed word by word (that needs a full-size temporary and three passes). With the words
     viewed as ``R x C`` (``i = r*C + c``), ``sum((i+1) w_i) = C * sum(r * rowsum_r) + sum((c+1) * colsum_c)``:
-    two vectorised reductions over the block (row sums, column sums) and two tiny dot products, the exact same
-    value as the word-by-word formula (integer addition modulo 2**64 is associative), at ~1.4x its speed (about
-    10 GB/s per thread here, 2.5x zlib's CRC-32). The reductions release the GIL, so checksums run in the I/O
-    threads beside the transfers. Blocks whose size is not a multiple of 8 bytes fall back to CRC-32."""
+    two vectorised reductions over the block (row sums, column sums), then one small matrix-vector product gives
+    both sums (the exact same value as the word-by-word formula: integer addition modulo 2**64 is associative).
+    About 9 GB/s per thread here for 1 MiB blocks, 2.5x zlib's CRC-32; the small product replaced five tiny tensor
+    operations whose overhead was a third of the time. The reductions release the GIL, so checksums run in the I/O
+    threads beside the transfers. Blocks whose size is not a multiple of ``8 * C`` bytes use a plain weighted sum
+    (one column), and those not a multiple of 8 bytes CRC-32."""
     n = chunk.numel()
     if n % 8:
         return zlib.crc32(_cbuf(chunk))
     words = chunk.view(torch.int64)
-    cols = _CHECKSUM_COLUMNS if words.numel() % _CHECKSUM_COLUMNS == 0 else 1
-    grid = words.view(-1, cols)
-    rows = grid.sum(1)
-    plain = int(rows.sum())
-    weighted = cols * int((rows * _ramp(rows.numel(), 0)).sum())
-    weighted += int((grid.sum(0) * _ramp(cols, 1)).sum()) if cols > 1 else plain
+    if words.numel() % _CHECKSUM_COLUMNS == 0:
+        grid = words.view(-1, _CHECKSUM_COLUMNS)
+        sums = torch.cat([grid.sum(1), grid.sum(0)])
+        plain, weighted = torch.mv(_weights(grid.shape[0]), sums).tolist()
+    else:
+        plain = int(words.sum())
+        weighted = int((words * torch.arange(1, words.numel() + 1, dtype=torch.int64)).sum())
     return ((plain % 2**64) << 64) | (weighted % 2**64)
 
 
