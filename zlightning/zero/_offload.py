@@ -147,9 +147,13 @@ class ZeroOffload:
         return sum(n for host, r, n in (e for e in everyone if e is not None) if host == here and r == root)
 
     # ---------------------------------------------------------------- engine hooks
-    def before_gather(self, group: ZeroParamGroup) -> None:
-        if self.params is not None:
-            self.params.ensure(group)
+    def gather_source(self, group: ZeroParamGroup) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """What ``group``'s all-gather copies this rank's slice from, for the duration of the copy: its shard, or
+        with parameter offload the pool buffer it was read into (see [Note: gathers read from the pool])."""
+        if self.params is None:
+            return contextlib.nullcontext(group.shard)
+        keep = self.optimizer is not None and self.optimizer.updates_in_backward(group)
+        return self.params.gather_source(group, keep)
 
     def after_gather(self, group: ZeroParamGroup) -> None:
         if self.params is None:

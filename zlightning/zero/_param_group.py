@@ -23,6 +23,7 @@ pieces' ``.grad`` (see ``ZeroState`` for the unused-parameter protocol).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class GroupState(enum.Enum):
 class GatherHooks(Protocol):
     """Called around a group's all-gather (parameter offload reads the shard from disk before, drops it after)."""
 
-    def before_gather(self, group: ZeroParamGroup) -> None: ...
+    def gather_source(self, group: ZeroParamGroup) -> contextlib.AbstractContextManager[torch.Tensor]: ...
 
     def after_gather(self, group: ZeroParamGroup) -> None: ...
 
@@ -247,11 +248,14 @@ class ZeroParamGroup:
         if self.status is not GroupState.SHARDED:
             return
         offload = self.context.offload
-        if offload is not None:
-            offload.before_gather(self)  # the shard may live on disk: see _offload_params.py
         self._lent = self.pool.lend_into(self.storage, self.unsharded_bytes)
         buffer = self.buffer
-        buffer[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel].copy_(self.shard)  # casts
+        mine = buffer[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+        if offload is None:
+            mine.copy_(self.shard)  # casts
+        else:
+            with offload.gather_source(self) as source:  # the shard may live on disk: see _offload_params.py
+                mine.copy_(source)
         streams: CommStreams = self.context.streams
         if self.world == 1:
             self._handle = None
