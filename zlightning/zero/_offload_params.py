@@ -96,11 +96,7 @@ class ParamOffloader:
         if key not in self.files or key in self.resident:
             return
         t = self.files[key]
-        if t.state is SwapState.ON_NVME:
-            self._make_room()
-            self.swapper.read(t)
-        if self.swapper.is_reading(t):
-            self.swapper.wait_read(t)  # this group's read only: later prefetches stay in flight
+        self._into_pool(t)
         storage = group.shard.untyped_storage()
         storage.resize_(group.shard_numel * group.shard.element_size())
         with torch.no_grad():
@@ -119,15 +115,20 @@ class ParamOffloader:
             yield group.shard
             return
         t = self.files[key]
+        self._into_pool(t)
+        try:
+            yield t.data()
+        finally:
+            self.swapper.release(t)
+
+    def _into_pool(self, t: SwapTensor) -> None:
+        """``t`` in a pool buffer: its prefetch waited for, or read now. Waits for this read only: later prefetches
+        stay in flight."""
         if t.state is SwapState.ON_NVME:
             self._make_room()
             self.swapper.read(t)
         if self.swapper.is_reading(t):
             self.swapper.wait_read(t)
-        try:
-            yield t.data()
-        finally:
-            self.swapper.release(t)
 
     def _make_room(self) -> None:
         """Frees a pool buffer for a read on demand: finished writes first, then unconsumed prefetches, and only
