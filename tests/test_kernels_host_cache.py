@@ -57,10 +57,11 @@ def test_idle_blocks_of_another_size_are_shed_not_kept_resident() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     mib = 1 << 20
     assert out["miss"] == 1, out
-    assert out["shed_first"] == 4 * mib, out  # the whole idle block's pages were dropped
-    # mapping 2 MiB while dropping 4 MiB: resident memory falls (kept resident, it would have grown by 2 MiB)
+    # exactly the 2 MiB that would lift resident bytes past the 4 MiB high-water mark: half the idle block's pages
+    assert out["shed_first"] == 2 * mib, out
+    # mapping 2 MiB while dropping 2 MiB: resident memory holds (kept resident, it would have grown by 2 MiB)
     assert out["rss_growth_first"] < mib, out
-    assert out["hit_again"] == 1 and out["miss_again"] == 0, out  # the dropped block is reused, still mapped
+    assert out["hit_again"] == 1 and out["miss_again"] == 0, out  # the half-dropped block is reused, still mapped
     assert out["shed_second"] == 2 * mib, out
     assert out["values_ok"], out
     assert out["resident_reuse"] == [1, 0], out
@@ -99,3 +100,44 @@ def test_idle_blocks_stay_resident_below_the_live_high_water_mark() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["misses_below"] == 4 and out["shed_below"] == 0, out  # mapped once each, then reused resident
     assert out["shed_over"] >= 4 * (1 << 20), out  # 12 MiB live again: the 2 MiB blocks' pages had to go
+
+
+_OLDEST_FIRST = textwrap.dedent(
+    """
+    import json, resource, torch
+    from zlightning.kernels._host_cache import enable_host_cache, host_cache_stats
+
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    MIB = 1 << 20
+    assert enable_host_cache()
+    old = torch.empty(5 * MIB // 4).fill_(1.0)
+    new = torch.empty(3 * MIB // 4).fill_(1.0)  # 8 MiB live: the high-water mark
+    del old                                     # idle first: the longest idle
+    del new
+    s0 = host_cache_stats()
+    small = torch.empty(MIB // 4).fill_(1.0)    # a third size, 1 MiB past the mark
+    s1 = host_cache_stats()
+    f0 = faults()
+    a = torch.empty(3 * MIB // 4).fill_(2.0)    # the recently freed block: still wholly resident
+    f1 = faults()
+    b = torch.empty(5 * MIB // 4).fill_(3.0)    # the oldest block: its last MiB comes back
+    f2 = faults()
+    print(json.dumps({"shed": s1.shed_bytes - s0.shed_bytes, "recent_faults": f1 - f0, "oldest_faults": f2 - f1,
+                      "values_ok": bool((a == 2.0).all() and (b == 3.0).all() and (small == 1.0).all())}))
+    """
+)
+
+
+def test_only_the_bytes_needed_are_dropped_from_the_longest_idle_block() -> None:
+    """Past the high-water mark by 1 MiB, exactly 1 MiB of pages goes, from the block idle the longest: the block
+    freed more recently is reused without a page fault, the older one faults back only its dropped MiB."""
+    done = subprocess.run([sys.executable, "-c", _OLDEST_FIRST], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    pages_per_mib = (1 << 20) // 4096
+    assert out["shed"] == 1 << 20, out
+    assert out["recent_faults"] < pages_per_mib // 8, out
+    assert pages_per_mib // 2 <= out["oldest_faults"] <= 2 * pages_per_mib, out
+    assert out["values_ok"], out
