@@ -170,6 +170,47 @@ def test_parameter_reads_wait_for_a_slow_disk_when_every_buffer_is_a_write(tmp_p
         assert torch.equal(results[1][name], value), name
 
 
+def test_one_rank_gather_prefetch_never_waits_for_a_parameter_read(tmp_path: Path, world1: None) -> None:
+    """On one rank a gather prefetch stops at a unit whose shard read has not landed ([Note: a gather prefetch never
+    waits for the disk]): with a disk whose reads report landed only when waited for, no prefetch waits for a read
+    (each unit's own hook does), and the trained weights equal a normal run's."""
+    from zlightning.zero import _state
+
+    data = batches(3, 4)
+    results, waits_in_prefetch = [], []
+    for slow in (False, True):
+        torch.manual_seed(0)
+        model, zero = _engine(tmp_path / str(slow), params=True)
+        swapper = zero.state.offload.params.swapper
+        if slow:
+            swapper.reader.done = lambda ticket: False  # type: ignore[method-assign]
+        count = [0]
+        inside = [False]
+        wait_read, prefetch = swapper.wait_read, _state.ZeroState._prefetch
+
+        def counted_wait(t, wait_read=wait_read, count=count, inside=inside):  # type: ignore[no-untyped-def]
+            count[0] += inside[0]
+            return wait_read(t)
+
+        def marked_prefetch(self, upcoming, prefetch=prefetch, inside=inside):  # type: ignore[no-untyped-def]
+            inside[0] = True
+            try:
+                return prefetch(self, upcoming)
+            finally:
+                inside[0] = False
+
+        swapper.wait_read = counted_wait  # type: ignore[method-assign]
+        zero.state._prefetch = marked_prefetch.__get__(zero.state)  # type: ignore[method-assign]
+        for batch in data:
+            _step(model, zero, batch)
+        results.append(zero.module_state_dict())
+        waits_in_prefetch.append(count[0])
+        zero.close()
+    assert waits_in_prefetch[1] == 0, waits_in_prefetch
+    for name, value in results[0].items():
+        assert torch.equal(results[1][name], value), name
+
+
 # ==================================================================== disk full, corruption
 @pytest.mark.parametrize("engine", ["portable", "kernels"])
 def test_disk_full_during_swap_is_a_clear_error(tmp_path: Path, world1: None, engine: str) -> None:

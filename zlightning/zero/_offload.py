@@ -155,6 +155,10 @@ class ZeroOffload:
         keep = self.optimizer is not None and self.optimizer.updates_in_backward(group)
         return self.params.gather_source(group, keep)
 
+    def landed(self, group: ZeroParamGroup) -> bool:
+        """``group`` can be gathered without waiting on the disk (see ``ParamOffloader.landed``)."""
+        return self.params is None or self.params.landed(group)
+
     def after_gather(self, group: ZeroParamGroup) -> None:
         if self.params is None:
             return

@@ -154,6 +154,11 @@ class ParamOffloader:
         if key in self.files and key in self.resident and key not in self._dirty and key not in self._held:
             self._drop(group)
 
+    def landed(self, group: ZeroParamGroup) -> bool:
+        """``group``'s shard can be gathered without waiting on the disk (resident, not offloaded, or read)."""
+        key = id(group)
+        return key not in self.files or key in self.resident or self.swapper.landed(self.files[key])
+
     def hold(self, group: ZeroParamGroup) -> None:
         """Keeps a resident shard in memory for an update that comes soon (`evict` leaves it alone)."""
         if id(group) in self.files and id(group) in self.resident:

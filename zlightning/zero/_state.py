@@ -474,9 +474,23 @@ class ZeroState:
                 continue
             if live + unit.numel > self.config.max_live_parameters:
                 return
+            if self._gather_would_wait_on_disk(unit):
+                return
             unit.start_gather()
             budget -= unit.numel
             live += unit.numel
+
+    # [Note: a gather prefetch never waits for the disk]
+    # With parameter shards on NVMe, prefetching a unit's gather needs its shard, whose read may still be in flight
+    # (issued a unit ago because the pool had no free buffer before). Waiting for it there stalls the compute of the
+    # current unit to start a gather early. On one rank the "gather" is a local copy that gains nothing by being early,
+    # so the prefetch stops at the first unit whose shard has not landed, and that unit gathers at its own hook, by
+    # when the read has had the current unit's compute to finish. With several ranks every rank must issue its
+    # collectives in the same order, which a local disk's timing cannot decide: there the prefetch waits.
+    def _gather_would_wait_on_disk(self, unit: ZeroUnit) -> bool:
+        if self.world_size != 1 or self.offload is None:
+            return False
+        return not all(self.offload.landed(g) for g in unit.groups if g.status is GroupState.SHARDED)
 
     # ================================================================ backward
     def _queue_finish(self) -> None:

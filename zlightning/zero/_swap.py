@@ -268,6 +268,11 @@ class Swapper:
     def is_reading(self, t: SwapTensor) -> bool:
         return t.state is SwapState.INFLIGHT and not t._writing
 
+    def landed(self, t: SwapTensor) -> bool:
+        """``t``'s values are in a pool buffer or their read has completed: bringing it in will not wait on the
+        disk (only, at most, on its checksums)."""
+        return t.state is SwapState.IN_CPU or (self.is_reading(t) and self.reader.done(t._ticket))
+
     def wait_read(self, t: SwapTensor) -> None:
         """One INFLIGHT read -> IN_CPU (checksums verified); other reads stay in flight.
 

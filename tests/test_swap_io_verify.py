@@ -1,0 +1,68 @@
+"""Swap reads are verified as soon as they land, not when their consumer asks ([Note: overlapped read verification]
+in zlightning/zero/_swap_io.py); corruption is still reported, by the consumer's ``finish``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zlightning.zero._offload_config import NVMeOffload
+from zlightning.zero._swap_io import SwapCorruptionError, make_swap_io
+
+BLOCK = 64 << 10
+
+
+def _io(tmp_path: Path, engine: str):  # type: ignore[no-untyped-def]
+    return make_swap_io(NVMeOffload(path=tmp_path, io_engine=engine, block_size=BLOCK, io_threads=2), direct=False)
+
+
+def _landed(io, ticket) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 30
+    while not io.done(ticket):  # each call also hands landed reads to the checksum pool
+        if time.monotonic() > deadline:
+            raise TimeoutError("swap read did not land in 30 s")
+        time.sleep(1e-3)
+    io.done(ticket)
+
+
+@pytest.mark.parametrize("engine", ["portable", "auto"])
+def test_a_landed_read_is_verified_before_its_consumer_asks(tmp_path: Path, engine: str) -> None:
+    io = _io(tmp_path, engine)
+    try:
+        src = torch.randn(4 * BLOCK // 4)
+        sums: list[int] = []
+        path = str(tmp_path / "t.swp")
+        io.finish(io.pwrite(src, path, 0, sums))
+        dst = torch.empty_like(src)
+        ticket = io.pread(dst, path, 0, sums)
+        _landed(io, ticket)
+        assert ticket.checks is not None and len(ticket.checks) > 0  # submitted before finish
+        io.finish(ticket)
+        assert torch.equal(dst, src)
+    finally:
+        io.close()
+
+
+@pytest.mark.parametrize("engine", ["portable", "auto"])
+def test_corruption_found_by_an_early_verification_is_raised_by_finish(tmp_path: Path, engine: str) -> None:
+    io = _io(tmp_path, engine)
+    try:
+        src = torch.randn(4 * BLOCK // 4)
+        sums: list[int] = []
+        path = str(tmp_path / "t.swp")
+        io.finish(io.pwrite(src, path, 0, sums))
+        with open(path, "r+b") as f:  # one byte of the third block changes behind the engine's back
+            f.seek(2 * BLOCK + 123)
+            byte = f.read(1)
+            f.seek(2 * BLOCK + 123)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        ticket = io.pread(torch.empty_like(src), path, 0, sums)
+        _landed(io, ticket)
+        assert ticket.checks is not None
+        with pytest.raises(SwapCorruptionError, match="block 2"):
+            io.finish(ticket)
+    finally:
+        io.close()
