@@ -527,8 +527,8 @@ class KernelSwapIO:
     ``finish`` waits for one request (the optimizer's read-ahead keeps later ones in flight) and verifies it on the
     pool too, one task per thread. Every call into the handle first hands the reads that have landed since to the
     pool (``_poll``), so a read is usually verified by the time its consumer asks for it: verifying only when
-    ``finish`` was called left the consumer waiting for the whole verification (on the 2.0 B-parameter run about
-    as long as the read itself, for every unit).
+    ``finish`` was called left the consumer waiting for the whole verification (profiled on 4 blocks of the 2.0 B
+    model of ``benchmarks/infinity.py``: as much time waiting for verifications as for the reads themselves).
     """
 
     def __init__(self, engine: Any, block_size: int, threads: int) -> None:
