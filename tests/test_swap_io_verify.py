@@ -28,41 +28,39 @@ def _landed(io, ticket) -> None:  # type: ignore[no-untyped-def]
     io.done(ticket)
 
 
-@pytest.mark.parametrize("engine", ["portable", "auto"])
-def test_a_landed_read_is_verified_before_its_consumer_asks(tmp_path: Path, engine: str) -> None:
-    io = _io(tmp_path, engine)
+@pytest.fixture(params=["portable", "auto"])
+def written(request, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """An I/O handle (each engine) and a 4-block buffer written through it: ``(io, values, path, checksums)``."""
+    io = _io(tmp_path, request.param)
+    src = torch.randn(4 * BLOCK // 4)
+    sums: list[int] = []
+    path = str(tmp_path / "t.swp")
     try:
-        src = torch.randn(4 * BLOCK // 4)
-        sums: list[int] = []
-        path = str(tmp_path / "t.swp")
         io.finish(io.pwrite(src, path, 0, sums))
-        dst = torch.empty_like(src)
-        ticket = io.pread(dst, path, 0, sums)
-        _landed(io, ticket)
-        assert ticket.checks is not None and len(ticket.checks) > 0  # submitted before finish
+        yield io, src, path, sums
+    finally:
+        io.close()
+
+
+def test_a_landed_read_is_verified_before_its_consumer_asks(written) -> None:  # type: ignore[no-untyped-def]
+    io, src, path, sums = written
+    dst = torch.empty_like(src)
+    ticket = io.pread(dst, path, 0, sums)
+    _landed(io, ticket)
+    assert ticket.checks is not None and len(ticket.checks) > 0  # submitted before finish
+    io.finish(ticket)
+    assert torch.equal(dst, src)
+
+
+def test_corruption_found_by_an_early_verification_is_raised_by_finish(written) -> None:  # type: ignore[no-untyped-def]
+    io, src, path, sums = written
+    with open(path, "r+b") as f:  # one byte of the third block changes behind the engine's back
+        f.seek(2 * BLOCK + 123)
+        byte = f.read(1)
+        f.seek(2 * BLOCK + 123)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    ticket = io.pread(torch.empty_like(src), path, 0, sums)
+    _landed(io, ticket)
+    assert ticket.checks is not None
+    with pytest.raises(SwapCorruptionError, match="block 2"):
         io.finish(ticket)
-        assert torch.equal(dst, src)
-    finally:
-        io.close()
-
-
-@pytest.mark.parametrize("engine", ["portable", "auto"])
-def test_corruption_found_by_an_early_verification_is_raised_by_finish(tmp_path: Path, engine: str) -> None:
-    io = _io(tmp_path, engine)
-    try:
-        src = torch.randn(4 * BLOCK // 4)
-        sums: list[int] = []
-        path = str(tmp_path / "t.swp")
-        io.finish(io.pwrite(src, path, 0, sums))
-        with open(path, "r+b") as f:  # one byte of the third block changes behind the engine's back
-            f.seek(2 * BLOCK + 123)
-            byte = f.read(1)
-            f.seek(2 * BLOCK + 123)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        ticket = io.pread(torch.empty_like(src), path, 0, sums)
-        _landed(io, ticket)
-        assert ticket.checks is not None
-        with pytest.raises(SwapCorruptionError, match="block 2"):
-            io.finish(ticket)
-    finally:
-        io.close()
