@@ -537,12 +537,17 @@ class KernelSwapIO:
         self._threads = max(1, threads)
         self._sums = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zswap-crc")
         self._open: list[_Ticket] = []  # submitted and not finished, in submission order
+        self._unverified: list[_Ticket] = []  # open reads whose verification is not submitted yet
 
     def _poll(self) -> None:
         """Submits the verification of every read that has landed (see [Note: overlapped read verification])."""
-        for t in self._open:
-            if not t.write and t.checks is None and t.request.done() and not t.request.errors:
+        waiting = []
+        for t in self._unverified:
+            if not t.request.done():
+                waiting.append(t)
+            elif not t.request.errors:  # a failed read is reported by finish/wait, never verified
                 t.checks = self._verification(t)
+        self._unverified = waiting
 
     def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> _Ticket:
         self._poll()
@@ -557,6 +562,7 @@ class KernelSwapIO:
             )
         ticket = _Ticket(self._engine.async_pread(_raw(buf), path, offset), False, buf, path, offset, checksums, [])
         self._open.append(ticket)
+        self._unverified.append(ticket)
         return ticket
 
     def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> _Ticket:
@@ -606,6 +612,8 @@ class KernelSwapIO:
             return
         self._poll()
         self._open.remove(ticket)
+        if ticket in self._unverified:
+            self._unverified.remove(ticket)
         checks: list[Future[None]] = ticket.checks or []
         try:
             ticket.request._wait()  # this request only (the engine's wait() takes every pending one)
@@ -635,7 +643,7 @@ class KernelSwapIO:
         """Waits for every request; read blocks are verified as soon as their request lands (see
         [Note: overlapped read verification]). I/O errors are raised before checksum mismatches: a failed read's
         buffer holds garbage that would otherwise be reported as corruption."""
-        tickets, self._open = self._open, []
+        tickets, self._open, self._unverified = self._open, [], []
         sums = [f for t in tickets for f in t.sums]
         checks: list[Future[None]] = [f for t in tickets if t.checks is not None for f in t.checks]
         try:
