@@ -546,8 +546,14 @@ class KernelSwapIO:
             if not t.request.done():
                 waiting.append(t)
             elif not t.request.errors:  # a failed read is reported by finish/wait, never verified
-                t.checks = self._verification(t)
+                self._verify_landed(t)
         self._unverified = waiting
+
+    def _verify_landed(self, t: _Ticket) -> list[Future[None]]:
+        """The verification tasks of a read that has landed, submitted now unless ``_poll`` already did."""
+        if t.checks is None:
+            t.checks = self._verification(t)
+        return t.checks
 
     def pread(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> _Ticket:
         self._poll()
@@ -619,10 +625,7 @@ class KernelSwapIO:
             ticket.request._wait()  # this request only (the engine's wait() takes every pending one)
             if ticket.request.errors:
                 raise ticket.request.errors[0]
-            if ticket.write:
-                checks = ticket.sums
-            elif ticket.checks is None:
-                checks = self._verification(ticket)
+            checks = ticket.sums if ticket.write else self._verify_landed(ticket)
             for f in checks:
                 f.result()
         finally:  # no checksum thread may still read the buffer once it goes back to the pool
@@ -651,7 +654,7 @@ class KernelSwapIO:
                 if not t.write and t.checks is None:
                     while not t.request.done():
                         time.sleep(_POLL_S)
-                    checks += self._verification(t)
+                    checks += self._verify_landed(t)
             if tickets:
                 self._engine.wait()  # raises AIOError (an OSError with the errno) after every request finished
             for f in sums:
