@@ -305,3 +305,66 @@ def test_a_killed_rank_of_a_popen_run_is_named_by_the_launching_rank(tmp_path: P
     ), summary[0]
     print(f"[measured] popen: rank 0 printed the explained error and exited {took:.2f} s after rank 1's SIGKILL")
     assert "Traceback" not in err and took < 20, took
+
+
+_EXIT_WHILE_THE_MONITOR_WAITS = """
+import gc, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from zlightning import _watchdog
+
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+monitor = _watchdog._get_monitor()
+store = monitor.store
+entered = []
+
+class SlowStore:
+    # Each poll of the monitor blocks in a C++ store call (GIL released) for 2 s: the interpreter's exit finds it there.
+    def add(self, key, value):
+        entered.append(key)
+        try:
+            store.wait(["zlightning-test/never"], timedelta(seconds=2))
+        except Exception:
+            pass
+        return store.add(key, value)
+
+def slow_collection(phase, info):
+    # The interpreter's finalisation collects garbage: held in the first collection for 4 s, the call returns meanwhile.
+    if phase == "start" and slow_collection in gc.callbacks:
+        gc.callbacks.remove(slow_collection)
+        time.sleep(4)
+
+monitor.store = SlowStore()
+while not entered:
+    time.sleep(0.05)
+gc.callbacks.append(slow_collection)
+print("exiting", flush=True)
+"""
+
+
+def test_a_rank_exits_cleanly_while_its_monitor_is_in_a_store_call(tmp_path: Path) -> None:
+    """A daemon thread inside a C++ call at interpreter exit aborts the process (SIGABRT) when it asks for the GIL
+    back; the monitor is stopped and joined before that (see [Note: the monitor ends before the interpreter does])."""
+    script = tmp_path / "rank.py"
+    script.write_text(_EXIT_WHILE_THE_MONITOR_WAITS)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), init, str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for r, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"rank {r} did not exit")
+        assert "exiting" in out, err[-2000:]
+        assert proc.returncode == 0, (r, proc.returncode, err[-2000:])

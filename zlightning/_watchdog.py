@@ -32,6 +32,7 @@ prints it. When the sequences agree, the verdict says so and shows where each ra
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -163,6 +164,7 @@ class Monitor:
         self._asked_at: float | None = None
         self.main = threading.main_thread().ident
         self.store.set(f"{_NS}/proc/{self.rank}", json.dumps(_me()))
+        self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="zlightning-watchdog", daemon=True)
         self.thread.start()
 
@@ -178,12 +180,17 @@ class Monitor:
 
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:
-        while True:
-            time.sleep(_POLL_S)
+        while not self._stopping.wait(_POLL_S):
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 - the store went away (the run is ending): nothing left to watch
                 return
+
+    def stop(self) -> None:
+        """Ends the thread and waits for it; see [Note: the monitor ends before the interpreter does]."""
+        self._stopping.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=_ANSWER_S + 2 * _POLL_S)
 
     def _tick(self) -> None:
         current = int(self.store.add(f"{_NS}/round", 0))
@@ -330,6 +337,24 @@ _monitor: Monitor | None = None
 _monitor_lock = threading.Lock()
 
 
+def _stop_monitor() -> None:
+    """Stops this process's monitor, if any (registered with ``atexit`` when the first monitor starts).
+
+    [Note: the monitor ends before the interpreter does]
+    The monitor is a daemon thread that spends its time in c10d store calls, which release the GIL. A daemon thread
+    still running when the interpreter finalises is ended by ``pthread_exit`` as soon as it asks for the GIL back,
+    and that unwinds through the C++ frame of the store call, whose GIL guard may not be unwound: the process dies
+    with SIGABRT ("terminate called without an active exception") after ``fit`` has finished, or turns a rank's
+    explained error (exit 1) into an abort. CI failed two ``popen`` launches on it in one run; here it took 1 launch
+    in 12 with the CPUs loaded, and the core dump showed the watchdog thread inside ``Store.add`` while the main
+    thread was in ``Py_FinalizeEx``. ``atexit`` handlers run before the finalisation ends daemon threads, so the
+    handler stops the loop and joins the thread (at most one comparison round) while everything is alive.
+    """
+    monitor = _monitor
+    if monitor is not None:
+        monitor.stop()
+
+
 def _get_monitor() -> Monitor | None:
     """This process's monitor (started on first use in a multi-rank run), or None in a one-rank run."""
     global _monitor
@@ -339,6 +364,10 @@ def _get_monitor() -> Monitor | None:
     if _monitor is None or _monitor.source is not store:
         with _monitor_lock:
             if _monitor is None or _monitor.source is not store:
+                if _monitor is None:
+                    atexit.register(_stop_monitor)
+                else:
+                    _monitor.stop()  # the run's process group was replaced: watch the new store only
                 _monitor = Monitor(store)
     return _monitor
 
