@@ -38,7 +38,7 @@ from pathlib import Path
 __all__ = ["BuildResult", "build", "build_dir", "cache_key", "library_path", "search_dirs", "user_cache_dir"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("zl_kernels.h", "adam_isa.cpp", "aio_uring.cpp", "host_cache.cpp", "ops.cpp")
+SOURCES = ("zl_kernels.h", "adam_isa.cpp", "aio_uring.cpp", "host_cache.cpp", "checksum.cpp", "ops.cpp")
 LIB_NAME = "libzlkernels.so"
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
 ISA_FLAGS = {
@@ -176,9 +176,10 @@ def _commands(
         + " | isa: "
         + "; ".join(f"{k}: {' '.join(v) or '(x86-64)'}" for k, v in ISA_FLAGS.items())
     )
-    obj = str(out / "host_cache.o")
-    cmds.append([cxx, *COMMON_FLAGS, *abi_flag, *inc, "-c", str(CSRC / "host_cache.cpp"), "-o", obj])
-    objs.append(obj)
+    for name in ("host_cache", "checksum"):
+        obj = str(out / f"{name}.o")
+        cmds.append([cxx, *COMMON_FLAGS, *abi_flag, *inc, "-c", str(CSRC / f"{name}.cpp"), "-o", obj])
+        objs.append(obj)
     obj = str(out / "ops.o")
     cmds.append(
         [

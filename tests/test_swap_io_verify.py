@@ -64,3 +64,42 @@ def test_corruption_found_by_an_early_verification_is_raised_by_finish(written) 
     assert ticket.checks is not None
     with pytest.raises(SwapCorruptionError, match="block 2"):
         io.finish(ticket)
+
+
+@pytest.mark.parametrize(
+    "nbytes",
+    [8, 24, 4096, 4096 + 24, 4 * BLOCK, 4 * BLOCK + 8 * 3, 3 * BLOCK + 4, 2 * BLOCK + 6],
+)
+def test_block_checksums_in_one_call_equal_the_reference_block_by_block(
+    nbytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native one-pass kernel ([Note: the checksum in one pass]) and the fallback give `block_checksum` of
+    every block, tails that are not whole words included, and wrapping sums (every byte 0xff) too."""
+    from zlightning.zero import _swap_io
+
+    g = torch.Generator().manual_seed(nbytes)
+    for raw in (
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g),
+        torch.full((nbytes,), 255, dtype=torch.uint8),
+    ):
+        expected = [_swap_io.block_checksum(raw[s : s + BLOCK]) for s in range(0, nbytes, BLOCK)]
+        assert _swap_io.block_checksums(raw, BLOCK) == expected
+        monkeypatch.setattr(_swap_io, "_native_checksums", False)
+        assert _swap_io.block_checksums(raw, BLOCK) == expected
+        monkeypatch.undo()
+
+
+def test_native_block_checksums_match_the_reference() -> None:
+    from zlightning.kernels import _ext
+
+    from zlightning.zero._swap_io import block_checksum
+
+    if not _ext.available():
+        pytest.skip("native kernels not built")
+    raw = torch.randint(0, 256, (3 * BLOCK + 8 * 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for view in (raw, raw[8:], raw[3 : 3 + 2 * BLOCK]):  # aligned, offset by a word, and misaligned by 3 bytes
+        pairs = torch.ops.zlightning.block_checksums(view, BLOCK).tolist()
+        got = [((p % 2**64) << 64) | (w % 2**64) for p, w in pairs]
+        assert got == [block_checksum(view[s : s + BLOCK].clone()) for s in range(0, view.numel(), BLOCK)]
+    with pytest.raises(RuntimeError, match="8-byte words"):
+        torch.ops.zlightning.block_checksums(raw[:12], BLOCK)

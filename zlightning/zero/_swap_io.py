@@ -441,6 +441,31 @@ def block_checksum(chunk: torch.Tensor) -> int:
     return ((plain % 2**64) << 64) | (weighted % 2**64)
 
 
+_native_checksums: bool | None = None
+
+
+def block_checksums(raw: torch.Tensor, block_size: int) -> list[int]:
+    """`block_checksum` of every ``block_size``-byte block of a contiguous uint8 host tensor (the last block may be
+    shorter): in one call of the native ``zlightning::block_checksums`` when the kernels are built (one pass over
+    memory, the GIL released for the whole range: see [Note: the checksum in one pass] in
+    ``kernels/csrc/checksum.cpp``), else block by block. Both give the same values."""
+    global _native_checksums
+    if _native_checksums is None:
+        from zlightning.kernels import _ext
+
+        _native_checksums = _ext.available() and hasattr(torch.ops.zlightning, "block_checksums")
+    n = raw.numel()
+    words = n if (n % block_size) % 8 == 0 else n - n % block_size  # blocks the native op can take
+    out: list[int] = []
+    if _native_checksums and words:
+        pairs = torch.ops.zlightning.block_checksums(raw[:words], block_size).tolist()
+        out = [((p % 2**64) << 64) | (w % 2**64) for p, w in pairs]
+    else:
+        words = 0
+    out += [block_checksum(raw[s : s + block_size]) for s in range(words, n, block_size)]
+    return out
+
+
 class SwapIO(Protocol):
     """An asynchronous I/O handle over aligned host buffers.
 
@@ -473,19 +498,12 @@ def _raw(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf
 
 
-def _blocks(buf: torch.Tensor, block_size: int) -> list[torch.Tensor]:
-    raw = _raw(buf)
-    return [raw[s : s + block_size] for s in range(0, raw.numel(), block_size)]
-
-
-def _verify(path: str, offset: int, block: int, chunk: torch.Tensor, expected: int) -> None:
-    actual = block_checksum(chunk)
-    if actual != expected:
-        raise SwapCorruptionError(
-            f"swap file {path} is corrupted: block {block} (bytes {offset}..{offset + chunk.numel()}) has checksum "
-            f"{actual:#034x}, written as {expected:#034x}. The file was modified outside this process; the run "
-            "cannot continue from it: restart from the last checkpoint."
-        )
+def _corrupted(path: str, offset: int, block: int, nbytes: int, actual: int, expected: int) -> SwapCorruptionError:
+    return SwapCorruptionError(
+        f"swap file {path} is corrupted: block {block} (bytes {offset}..{offset + nbytes}) has checksum "
+        f"{actual:#034x}, written as {expected:#034x}. The file was modified outside this process; the run "
+        "cannot continue from it: restart from the last checkpoint."
+    )
 
 
 _POLL_S = 1e-4
@@ -573,34 +591,36 @@ class KernelSwapIO:
 
     def pwrite(self, buf: torch.Tensor, path: str, offset: int, checksums: list[int]) -> _Ticket:
         self._poll()
-        chunks = _blocks(buf, self.block_size)
-        checksums[:] = [0] * len(chunks)
+        raw, bs = _raw(buf), self.block_size
+        checksums[:] = [0] * -(-raw.numel() // bs)
 
-        def fill(first: int, group: list[torch.Tensor]) -> None:
-            for i, chunk in enumerate(group, first):
-                checksums[i] = block_checksum(chunk)
+        def fill(first: int, stop: int) -> None:
+            checksums[first:stop] = block_checksums(raw[first * bs : stop * bs], bs)
 
-        request = self._engine.async_pwrite(_raw(buf), path, offset)
-        sums = [self._sums.submit(fill, first, group) for first, group in self._groups(chunks)]
+        request = self._engine.async_pwrite(raw, path, offset)
+        sums = [self._sums.submit(fill, first, stop) for first, stop in self._groups(raw.numel())]
         ticket = _Ticket(request, True, buf, path, offset, checksums, sums)
         self._open.append(ticket)
         return ticket
 
-    def _groups(self, chunks: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
-        """``chunks`` in one contiguous run per checksum thread (one task each, not one per block: the pool's
-        per-task overhead was a tenth of the checksum time with 1 MiB blocks)."""
-        per = -(-len(chunks) // self._threads)
-        return [(first, chunks[first : first + per]) for first in range(0, len(chunks), per)]
+    def _groups(self, nbytes: int) -> list[tuple[int, int]]:
+        """The blocks ``[first, stop)`` of an ``nbytes`` buffer in one contiguous run per checksum thread (one task
+        each, not one per block: the pool's per-task overhead was a tenth of the checksum time with 1 MiB blocks)."""
+        blocks = -(-nbytes // self.block_size)
+        per = max(1, -(-blocks // self._threads))
+        return [(first, min(first + per, blocks)) for first in range(0, blocks, per)]
 
-    def _verify_request(self, path: str, offset: int, first: int, group: list[torch.Tensor], sums: list[int]) -> None:
-        for i, chunk in enumerate(group, first):
-            _verify(path, offset + i * self.block_size, i, chunk, sums[i])
+    def _verify_request(self, t: _Ticket, first: int, stop: int) -> None:
+        bs = self.block_size
+        raw = _raw(t.buf)[first * bs : stop * bs]
+        for i, actual in enumerate(block_checksums(raw, bs), first):
+            if actual != t.checksums[i]:
+                nbytes = min(bs, raw.numel() - (i - first) * bs)
+                raise _corrupted(t.path, t.offset + i * bs, i, nbytes, actual, t.checksums[i])
 
     def _verification(self, t: _Ticket) -> list[Future[None]]:
-        return [
-            self._sums.submit(self._verify_request, t.path, t.offset, first, group, t.checksums)
-            for first, group in self._groups(_blocks(t.buf, self.block_size))
-        ]
+        nbytes = t.buf.numel() * t.buf.element_size()
+        return [self._sums.submit(self._verify_request, t, first, stop) for first, stop in self._groups(nbytes)]
 
     def done(self, ticket: _Ticket) -> bool:
         """Whether ``ticket``'s request (and, for a write, its checksums) completed; never blocks."""
