@@ -292,6 +292,11 @@ def _destroy_process_groups() -> None:
     (`_exit_like_a_forked_rank`), after flushing its output and running its ``atexit`` handlers (swap-folder
     cleanup among them) while everything is alive. Rank 0's result is already in the parent's pipe by then
     (Lightning's ``SimpleQueue.put`` writes synchronously).
+
+    Ranks that finalise normally (``popen``, ``torchrun``) can still meet the same abort from a daemon thread caught
+    inside a C++ call by the finalisation: the watchdog's monitor was one (a core dump showed it in ``Store.add``),
+    and it is now stopped before the interpreter finalises; see [Note: the monitor ends before the interpreter
+    does] in ``zlightning/_watchdog.py``.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
