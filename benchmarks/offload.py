@@ -84,7 +84,9 @@ def _policy(variant: str, swap: str, buffer_elems: int) -> dict[str, Any]:
 
     sib = variant.endswith("_sib")
     variant = variant.removesuffix("_sib")
-    opt = NVMeOffload(path=swap, buffer_size=buffer_elems, buffer_count=6, step_in_backward=sib)
+    # buffer_count: NVMeOffload's default (8). The sub-group size is set below the default so that these small
+    # models have several sub-groups to pipeline.
+    opt = NVMeOffload(path=swap, buffer_size=buffer_elems, step_in_backward=sib)
     if variant.endswith("nvme_opt"):
         return {"offload_optimizer": opt}
     if variant == "nvme_opt_params":
