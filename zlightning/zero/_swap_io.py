@@ -438,6 +438,11 @@ def block_checksum(chunk: torch.Tensor) -> int:
     else:
         plain = int(words.sum())
         weighted = int((words * torch.arange(1, words.numel() + 1, dtype=torch.int64)).sum())
+    return _pack(plain, weighted)
+
+
+def _pack(plain: int, weighted: int) -> int:
+    """One 128-bit checksum from its two sums (each taken modulo 2**64: int64 results may be negative)."""
     return ((plain % 2**64) << 64) | (weighted % 2**64)
 
 
@@ -453,17 +458,15 @@ def block_checksums(raw: torch.Tensor, block_size: int) -> list[int]:
     if _native_checksums is None:
         from zlightning.kernels import _ext
 
-        _native_checksums = _ext.available() and hasattr(torch.ops.zlightning, "block_checksums")
+        _native_checksums = _ext.available()
     n = raw.numel()
-    words = n if (n % block_size) % 8 == 0 else n - n % block_size  # blocks the native op can take
-    out: list[int] = []
-    if _native_checksums and words:
-        pairs = torch.ops.zlightning.block_checksums(raw[:words], block_size).tolist()
-        out = [((p % 2**64) << 64) | (w % 2**64) for p, w in pairs]
-    else:
-        words = 0
-    out += [block_checksum(raw[s : s + block_size]) for s in range(words, n, block_size)]
-    return out
+    native = 0  # leading bytes handed to the native op: every block but a last one that is not whole words
+    if _native_checksums:
+        native = n if (n % block_size) % 8 == 0 else n - n % block_size
+    pairs = torch.ops.zlightning.block_checksums(raw[:native], block_size).tolist() if native else []
+    return [_pack(p, w) for p, w in pairs] + [
+        block_checksum(raw[s : s + block_size]) for s in range(native, n, block_size)
+    ]
 
 
 class SwapIO(Protocol):
