@@ -41,3 +41,33 @@ def test_model_state_is_one_over_n() -> None:
             assert step.model_state_bytes <= 16 * r["numel"] / world * slack + step.largest_unit_bytes
             # and it is genuinely sharded: well under half of DDP's 16 bytes/param at world 2
             assert step.param_bytes + step.grad_bytes + step.optimizer_bytes <= 16 * r["numel"] / world * slack
+
+
+def _pending_at_each_unit(rank: int, world: int, overlap: bool) -> list[int]:
+    from zlightning.zero._state import ZeroState
+
+    seen: list[int] = []
+    post_backward = ZeroState.post_backward
+
+    def counting(self: ZeroState, group: Any, grads: Any) -> None:
+        seen.append(len(self._pending))  # reductions still held when the next unit's gradients arrive
+        post_backward(self, group, grads)
+
+    ZeroState.post_backward = counting  # type: ignore[method-assign]  (this rank's own process)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(5)])
+    zero = DeepSpeedZeroOptimizer_Stage3(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=ZeroConfig(overlap_comm=overlap)
+    )
+    for _ in range(2):
+        zero.backward(model(torch.randn(3, 64)).pow(2).mean())
+        zero.step()
+    return seen
+
+
+def test_a_finished_reduction_is_not_held_into_the_next_units_backward() -> None:
+    # see [Note: a finished reduction is not held]: synchronous (overlap off) and single-rank reductions return
+    # their packed buffer at once; overlapped ones keep exactly one in flight
+    for world, overlap, held in ((2, False, {0}), (1, True, {0}), (2, True, {0, 1})):
+        for seen in run_distributed(_pending_at_each_unit, world, overlap, timeout=240):
+            assert len(seen) >= 10 and set(seen) == held, (world, overlap, seen)

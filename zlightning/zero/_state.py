@@ -535,8 +535,19 @@ class ZeroState:
         self._pending.append(group.start_reduce_scatter(flat, async_op=self.config.overlap_comm))
         self.reduce_scatters += 1
         self._pending_numel += group.shard_numel
+        if not self.config.overlap_comm or self.world_size == 1:  # see [Note: a finished reduction is not held]
+            while self._pending:
+                self._drain_one()
         while len(self._pending) > 1 and self._pending_numel * self.world_size > self.reduce_budget:
             self._drain_one()
+
+    # [Note: a finished reduction is not held]
+    # A reduction stays pending so that it can overlap the next unit's backward. A synchronous one (``overlap_comm``
+    # off) has nothing left to overlap, and on one rank there is no collective at all, yet both used to wait in the
+    # queue until the next unit's gradients arrived, holding their packed unit-sized buffer through that unit's
+    # whole backward. They are accumulated and their buffer returned at once: on 24 x Linear(1024) at 2 ranks with
+    # ``overlap_comm=False`` the step's buffers at its peak went from three units to two (the unit computing and its
+    # autograd gradient), 9.16 -> 8.99 bytes per parameter of resident growth.
 
     def _is_root_group(self, group: ZeroParamGroup) -> bool:
         return any(group is g for g in self.units[0].groups)
