@@ -68,12 +68,18 @@ def _zero3(plt: Any, report: dict[str, Any]) -> Any:
     rows = [(v["variant"], v["ranks"][0]) for v in report["variants"] if v.get("status") == "ok" and v.get("ranks")]
     names = [n for n, _ in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ratios = [r["step_time_x_ddp"] for _, r in rows]
-    bars = ax1.barh(names, ratios, color=["#8C8C8C" if n == "ddp" else "#4C72B0" for n in names])
-    ax1.axvline(1.0, color="black", lw=0.8, ls="--")
-    ax1.bar_label(bars, fmt="%.2f×", padding=3)
-    ax1.set_xlabel("median step time ÷ DDP's (rank 0)")
-    ax1.set_title("Step time relative to DDP")
+    colors = ["#8C8C8C" if n == "ddp" else "#4C72B0" for n in names]
+    if all(r["step_time_x_ddp"] is not None for _, r in rows):
+        bars = ax1.barh(names, [r["step_time_x_ddp"] for _, r in rows], color=colors)
+        ax1.axvline(1.0, color="black", lw=0.8, ls="--")
+        ax1.bar_label(bars, fmt="%.2f×", padding=3)
+        ax1.set_xlabel("median step time ÷ DDP's (rank 0)")
+        ax1.set_title("Step time relative to DDP")
+    else:  # a run without DDP (--variants): absolute times
+        bars = ax1.barh(names, [r["median_step_s"] for _, r in rows], color=colors)
+        ax1.bar_label(bars, fmt="%.2f s", padding=3)
+        ax1.set_xlabel("median step time, s (rank 0)")
+        ax1.set_title("Step time (no DDP run to compare with)")
     ax1.invert_yaxis()
     y = range(len(rows))
     state = [r["model_state_bytes"] / params for _, r in rows]
