@@ -368,3 +368,47 @@ def test_a_rank_exits_cleanly_while_its_monitor_is_in_a_store_call(tmp_path: Pat
             pytest.fail(f"rank {r} did not exit")
         assert "exiting" in out, err[-2000:]
         assert proc.returncode == 0, (r, proc.returncode, err[-2000:])
+
+
+_STOP_DURING_A_COMPARISON = """
+import sys, time
+import torch.distributed as dist
+from zlightning import _watchdog
+
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+if dist.get_rank() == 1:  # never answers: no monitor on this rank, as if it had died
+    time.sleep(20)
+    sys.exit(0)
+monitor = _watchdog._get_monitor()
+monitor.store.add(_watchdog._NS + "/round", 1)  # ask for a comparison, which waits for rank 1's report
+deadline = time.monotonic() + 30
+while not monitor.comparing and time.monotonic() < deadline:
+    time.sleep(0.02)
+started = time.monotonic()
+monitor.stop()
+print(f"comparing={monitor.comparing} stopped_in={time.monotonic() - started:.2f} alive={monitor.thread.is_alive()}")
+sys.stdout.flush()
+import os
+os._exit(0)  # rank 1 is still asleep: nothing to tear down
+"""
+
+
+def test_a_monitor_in_the_middle_of_a_comparison_stops_at_once(tmp_path: Path) -> None:
+    """A rank that ends while its monitor waits for a dead rank's answer: the monitor stops at its next poll instead
+    of running the comparison's course past the exit handler's join (see [Note: the monitor ends before the
+    interpreter does])."""
+    script = tmp_path / "rank.py"
+    script.write_text(_STOP_DURING_A_COMPARISON)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), init, str(r)], env=env, stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    out, _ = procs[0].communicate(timeout=120)
+    procs[1].kill()
+    procs[1].wait()
+    match = re.search(r"comparing=(\w+) stopped_in=([\d.]+) alive=(\w+)", out)
+    assert match is not None, out
+    assert match.group(1) == "False" and match.group(3) == "False", out
+    assert float(match.group(2)) < 2.0, out  # was the rest of an 8 s comparison

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import datetime
 import json
 import os
 import socket
@@ -140,12 +141,18 @@ class Record:
 
 
 # ==================================================================== the per-process monitor
+class _Stopping(Exception):
+    """Raised inside the monitor thread when the process is ending in the middle of a comparison."""
+
+
 class Monitor:
     """See [Note: what a rank tells about itself]."""
 
     def __init__(self, store: Any) -> None:
         self.source = store
         self.store = store.clone() if hasattr(store, "clone") else store  # the thread's own connection
+        if self.store is not store and hasattr(self.store, "set_timeout"):  # no call of the thread blocks for long
+            self.store.set_timeout(datetime.timedelta(seconds=_ANSWER_S))
         self.pg = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = watchdog_timeout()
@@ -183,6 +190,8 @@ class Monitor:
         while not self._stopping.wait(_POLL_S):
             try:
                 self._tick()
+            except _Stopping:
+                return
             except Exception:  # noqa: BLE001 - the store went away (the run is ending): nothing left to watch
                 return
 
@@ -190,7 +199,7 @@ class Monitor:
         """Ends the thread and waits for it; see [Note: the monitor ends before the interpreter does]."""
         self._stopping.set()
         if self.thread is not threading.current_thread():
-            self.thread.join(timeout=_ANSWER_S + 2 * _POLL_S)
+            self.thread.join(timeout=_ANSWER_S + 2 * _POLL_S)  # one store call: a comparison stops at the next poll
 
     def _tick(self) -> None:
         current = int(self.store.add(f"{_NS}/round", 0))
@@ -223,7 +232,8 @@ class Monitor:
         while time.monotonic() < deadline:
             if all(store.check([k]) for k in keys):
                 break
-            time.sleep(0.1)
+            if self._stopping.wait(0.1):  # see [Note: the monitor ends before the interpreter does]
+                raise _Stopping
             newer = int(store.add(f"{_NS}/round", 0))
             if newer > round_:  # another rank opened a newer round: answer and collect that one instead
                 return self._compare_newer(round_, newer, store, report)
@@ -348,7 +358,11 @@ def _stop_monitor() -> None:
     explained error (exit 1) into an abort. CI failed two ``popen`` launches on it in one run; here it took 1 launch
     in 12 with the CPUs loaded, and the core dump showed the watchdog thread inside ``Store.add`` while the main
     thread was in ``Py_FinalizeEx``. ``atexit`` handlers run before the finalisation ends daemon threads, so the
-    handler stops the loop and joins the thread (at most one comparison round) while everything is alive.
+    handler stops the loop and joins the thread while everything is alive. A comparison in progress stops at its
+    next poll: it used to run its course (8 s waiting for a dead rank's answer, and again when the failing rank's own
+    ``compare_now`` opened a newer round), past the join's timeout, which CI hit once in a ``popen`` run whose rank
+    1 was SIGKILLed (exit -6 instead of the explained error's 1). The thread's own store connection has a timeout of
+    ``_ANSWER_S``, so no single call outlasts the join either, even when the store's host is gone.
     """
     monitor = _monitor
     if monitor is not None:
