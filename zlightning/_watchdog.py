@@ -359,10 +359,11 @@ def _stop_monitor() -> None:
     in 12 with the CPUs loaded, and the core dump showed the watchdog thread inside ``Store.add`` while the main
     thread was in ``Py_FinalizeEx``. ``atexit`` handlers run before the finalisation ends daemon threads, so the
     handler stops the loop and joins the thread while everything is alive. A comparison in progress stops at its
-    next poll: it used to run its course (8 s waiting for a dead rank's answer, and again when the failing rank's own
-    ``compare_now`` opened a newer round), past the join's timeout, which CI hit once in a ``popen`` run whose rank
-    1 was SIGKILLed (exit -6 instead of the explained error's 1). The thread's own store connection has a timeout of
-    ``_ANSWER_S``, so no single call outlasts the join either, even when the store's host is gone.
+    next poll: it used to run its course (8 s waiting for a dead rank's answer, and again when the failing rank's
+    own ``compare_now`` opened a newer round), past the join's timeout: the likely cause of a ``popen`` run in CI
+    whose rank 0 aborted after rank 1 was SIGKILLed (exit -6 instead of the explained error's 1; not reproduced
+    here). The thread's own store connection has a timeout of ``_ANSWER_S``, so no single call outlasts the join
+    either, even when the store's host is gone.
     """
     monitor = _monitor
     if monitor is not None:
