@@ -162,7 +162,8 @@ class PipelineStrategy(LaunchedParallelStrategy):
         num_stages: pipeline ranks; default: the module's ``num_stages``, else all devices.
         micro_batches: micro-batches per training batch (the loader's batch size must be a multiple).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, or the zero-bubble ``"zb_h1"`` / ``"zbv"`` (each
-            backward split into input and weight gradients; see [Note: zero-bubble schedules] in ``zlightning.pipe``).
+            backward split into input and weight gradients where that fills idle time; see [Note: zero-bubble schedules]
+            in ``zlightning.pipe``).
         partition: overrides the module's ``partition_method`` (``"parameters"``, ``"uniform"``, ``"type:REGEX"``).
         config: full engine config instead of ``micro_batches``/``schedule`` (virtual stages, ZeRO-1, loss scaler).
             ``Trainer(precision="16-mixed")`` adds the default ``LossScalerConfig()`` when ``config`` has none.

@@ -166,8 +166,12 @@ def rank_two_stages(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
             2, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), **kw
         )
         out[sched] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
-        if sched == "zbv":  # reordered by the costs measured on the second batch ([Note: calibrating zbv])
-            out["zbv_calibrated"] = (engine._calibration.costs if engine._calibration else None, engine.train_schedule)
+        if sched == "zbv":  # M = 2P: the phased order, no calibration ([Note: the phased V order])
+            out["zbv_phased"] = (engine._calibration, engine.train_schedule)
+            # M < 2P: the list order, reordered by the costs measured on the second batch ([Note: calibrating zbv])
+            losses, state, listed = _train(2, PipelineConfig(micro_batches=2, schedule="zbv", gradient_clipping=CLIP))
+            calibrated = (listed._calibration.costs if listed._calibration else None, listed.train_schedule)
+            out["zbv_list"] = {"losses": losses, "state": state, "calibrated": calibrated}
         if sched == "zbv":  # a zero-bubble checkpoint resumes into another schedule and split (zb_h1, 2 stages)
             save_pipeline_checkpoint(engine, f"{ckpt_dir}/zbv")
             other = PipelineEngine(
@@ -246,10 +250,19 @@ def test_two_stages_match_single_process(two_stage_runs: Any, schedule: str) -> 
     else:
         assert "tied_modules.embed.weight" not in runs[1][schedule]["state"]
     assert len(runs[0][schedule]["bounds"]) == 2 * CHUNKS[schedule] + 1
-    if schedule == "zbv":  # the losses and states above span the reorder after the second batch
-        (costs, sched), (costs1, sched1) = (r["zbv_calibrated"] for r in runs)
+    if schedule == "zbv":
+        for r in runs:
+            calibration, sched = r["zbv_phased"]
+            assert calibration is None and sched == build_schedule("zbv", 2, MICRO, 2)
+            assert sched.split != {(s, m) for s in range(4) for m in range(MICRO)}  # whole backwards in the middle
+        # two micro-batches: the list order, whose losses and states span the reorder after the second batch
+        ref_losses, ref_state = reference_on(data(), dp=1, micro=2)
+        for r in runs:
+            torch.testing.assert_close(r["zbv_list"]["losses"], ref_losses, **TOL)
+        _check_states([r["zbv_list"]["state"] for r in runs], ref_state)
+        (costs, sched), (costs1, sched1) = (r["zbv_list"]["calibrated"] for r in runs)
         assert costs is not None and costs == costs1 and sched == sched1  # every rank chose the same order
-        assert sched == build_schedule("zbv", 2, MICRO, 2, costs=costs)
+        assert sched == build_schedule("zbv", 2, 2, 2, costs=costs)
 
 
 def test_zero_bubble_checkpoint_resumes_into_another_schedule(two_stage_runs: Any) -> None:

@@ -28,7 +28,7 @@ from zlightning.pipe import (
 )
 from zlightning.pipe._backward import backward_input, backward_weight
 from zlightning.pipe._calibrate import costs_from, local_medians
-from zlightning.pipe._schedule import add_send_recv, zb_h1
+from zlightning.pipe._schedule import add_send_recv, zb_h1, zbv
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=4, n_head=4, bias=False)
@@ -40,12 +40,18 @@ def test_zero_bubble_schedules_are_valid_for_every_size(name: str) -> None:
     for p in range(1, 7):
         for m in range(1, 13):
             sched = build_schedule(name, p, m, v)  # lowered and simulated
-            assert sched.split == {(s, i) for s in range(p * v) for i in range(m)}  # every backward is split
+            every = {(s, i) for s in range(p * v) for i in range(m)}
+            if name == "zb_h1" or m < 2 * p:
+                assert sched.split == every  # every backward is split
+            else:  # the phased V: whole backwards in the steady state ([Note: the phased V order])
+                assert sched.split < every
             for r, prog in enumerate(sched.programs):
                 assert {a.stage for a in prog} == set(sched.stages_of(r))
                 for s in sched.stages_of(r):
-                    for kind in (F, B, W):
+                    for kind in (F, B):
                         assert sorted(a.microbatch for a in prog if a.stage == s and a.kind is kind) == list(range(m))
+                    weights = sorted(a.microbatch for a in prog if a.stage == s and a.kind is W)
+                    assert weights == sorted(i for st, i in sched.split if st == s)
 
 
 def test_placements() -> None:
@@ -78,18 +84,25 @@ def test_zb_h1_structure_bubble_and_memory() -> None:
 
 
 def test_zbv_bubble_and_memory() -> None:
-    """Unit chunk costs (the first stage's backward all W): on two ranks ZBV's bubble equals ZB-H1's, a third of
-    1F1B's idle time; every rank stays within 1F1B's peak of 2P chunk activations (P micro-batches of a rank's
-    layers), and ZBV beats 1F1B up to P = 6 (see [Note: zero-bubble schedules])."""
+    """Unit chunk costs (the first stage's backward all W). With M >= 2P (the phased order) ZBV's bubble is about
+    half of ZB-H1's on two ranks and below it from three, each rank holds at most 2P + 1 chunk activations (1F1B's
+    first rank holds 2P), and the order is DualPipeV's phases: on two ranks, rank 0 runs
+    F0 F0 F0 | F3 B3 W3 | F3 F0 | B3 F3 B0 F0 ... ([Note: the phased V order]). Below 2P the list order stays within
+    2P. ZBV beats 1F1B up to P = 6 (see [Note: zero-bubble schedules])."""
+    v = zbv(2, 8)
+    assert " ".join(map(str, v.programs[0][:12])) == "0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3F2 0B0 0F4"
+    assert " ".join(map(str, v.programs[1][-4:])) == "2B7 1B7 2W7 1W7"
     for m in (4, 8, 16):
         zbv_bubble = timeline(build_schedule("zbv", 2, m, 2), 1.0, 2.0, 1.0).bubble_fraction
-        assert zbv_bubble == pytest.approx(timeline(build_schedule("zb_h1", 2, m), 1.0, 2.0, 1.0).bubble_fraction)
+        assert zbv_bubble <= 0.55 * timeline(build_schedule("zb_h1", 2, m), 1.0, 2.0, 1.0).bubble_fraction
     for p in (2, 3, 4, 6):
         for m in (p, 2 * p, 4 * p):
             t = timeline(build_schedule("zbv", p, m, 2), 1.0, 2.0, 1.0)
             ref = timeline(build_schedule("1f1b", p, m), 1.0, 2.0)
-            assert max(t.peak_activations()) <= 2 * max(ref.peak_activations())
+            assert max(t.peak_activations()) <= 2 * max(ref.peak_activations()) + (m >= 2 * p)
             assert t.bubble_fraction < ref.bubble_fraction
+            if m >= 2 * p and p > 2:
+                assert t.bubble_fraction < timeline(build_schedule("zb_h1", p, m), 1.0, 2.0, 1.0).bubble_fraction
 
 
 COSTS = [(1.0, 1.3, 0.7), (1.0, 1.4, 0.8), (1.0, 1.2, 0.6), (1.0, 1.0, 1.0), (1.0, 0.8, 1.2), (0.7, 1.1, 0.9)]
@@ -106,14 +119,16 @@ def test_zbv_ordered_by_its_costs(f: float, b: float, w: float) -> None:
             tuned = timeline(build_schedule("zbv", p, m, 2, costs=costs), f, b + w, w)
             unit = timeline(build_schedule("zbv", p, m, 2), f, b + w, w)
             ref = timeline(build_schedule("1f1b", p, m), f, b + w)
-            assert max(tuned.peak_activations()) <= 2 * max(ref.peak_activations())
+            assert max(tuned.peak_activations()) <= 2 * max(ref.peak_activations()) + (m >= 2 * p)
+            if m >= 2 * p:  # the phased order does not depend on costs
+                assert tuned == unit
             if p == 2:
                 assert tuned.makespan <= unit.makespan + 1e-9, (p, m)
                 assert tuned.bubble_fraction < ref.bubble_fraction, (p, m)
-    skewed = timeline(build_schedule("zbv", 2, 8, 2), 1.0, 2.0, 0.7)
-    assert skewed.bubble_fraction > timeline(build_schedule("1f1b", 2, 8), 1.0, 2.0).bubble_fraction
-    assert timeline(build_schedule("zbv", 2, 8, 2, costs=ActionCosts(1.0, 1.3, 0.7)), 1.0, 2.0, 0.7).bubble_fraction < (
-        0.5 * skewed.bubble_fraction
+    skewed = timeline(build_schedule("zbv", 3, 5, 2), 1.0, 2.0, 0.6)  # the list order's range (M < 2P)
+    assert skewed.bubble_fraction > timeline(build_schedule("1f1b", 3, 5), 1.0, 2.0).bubble_fraction
+    assert timeline(build_schedule("zbv", 3, 5, 2, costs=ActionCosts(1.0, 1.4, 0.6)), 1.0, 2.0, 0.6).bubble_fraction < (
+        0.6 * skewed.bubble_fraction
     )
 
 
@@ -122,7 +137,10 @@ def test_cost_ordered_zbv_is_valid_for_every_size() -> None:
         for p in range(1, 6):
             for m in range(1, 11):
                 sched = build_schedule("zbv", p, m, 2, costs=ActionCosts(f, b, w))  # lowered and simulated
-                assert sched.split == {(s, i) for s in range(2 * p) for i in range(m)}
+                if m < 2 * p:
+                    assert sched.split == {(s, i) for s in range(2 * p) for i in range(m)}
+                else:
+                    assert sched == build_schedule("zbv", p, m, 2)
 
 
 def test_costs_from_measurements() -> None:
@@ -166,7 +184,7 @@ def test_csv_round_trip_weights_and_simulator_errors() -> None:
 def test_lowering_receives_in_the_senders_order() -> None:
     """With two chunks per rank a rank may consume messages of one peer in another order than they were sent; the
     lowering then receives the earlier ones first (here rank 1 receives activation 2 before the gradient 0)."""
-    prog = build_schedule("zbv", 2, 4, 2).programs[1]
+    prog = build_schedule("zbv", 2, 3, 2).programs[1]  # the list order (M < 2P)
     text = " ".join(map(str, prog))
     assert "1RECV_F2 2RECV_B0 2B0" in text
     # schedules whose receive order already matches are lowered exactly as before

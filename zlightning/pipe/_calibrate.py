@@ -11,7 +11,9 @@ and each takes the median over ranks, relative to the forward and rounded to ``_
 schedule from the same numbers and a few percent of timing noise does not change the order. This happens once; the
 costs chosen are logged. Only the order changes, not what is computed, so results stay equal to a single process up
 to the rounding of summing micro-batch gradients in another order. ``schedule_costs="unit"`` or an explicit
-``ActionCosts`` keeps one order from the first batch on (bitwise repeatable runs).
+``ActionCosts`` keeps one order from the first batch on (bitwise repeatable runs). With ``M >= 2P`` micro-batches
+``zbv`` runs the phased order, which no cost changes (see [Note: the phased V order] in ``_schedule.py``), and nothing
+is measured.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ from zlightning.pipe._executor import BatchRun
 from zlightning.pipe._grads import Zero1Sharding, allreduce_mean, allreduce_sum
 from zlightning.pipe._module import PipelineModule
 from zlightning.pipe._p2p import P2P, flatten, unflatten
-from zlightning.pipe._schedule import ActionCosts, Placement, Schedule, build_schedule
+from zlightning.pipe._schedule import ActionCosts, Placement, Schedule, build_schedule, zbv_orders_by_costs
 from zlightning.pipe._stage import PipelineStage
 from zlightning.pipe._tensor import shard_stage
 from zlightning.pipe._topology import PipeGrid, PipeGroups
@@ -88,8 +88,10 @@ class PipelineConfig:
     memory, about a third of its bubble) and ``zbv`` (two chunks per rank in a V); see [Note: zero-bubble schedules]
     in ``_schedule.py``."""
     schedule_costs: ActionCosts | Literal["auto", "unit"] = "auto"
-    """What ``zbv`` orders its actions by (the other schedules' orders do not depend on costs): ``"auto"`` measures
-    the model's forward, input-backward and weight-backward times on the second training batch and reorders once (see
+    """What ``zbv`` orders its actions by when ``micro_batches`` is below twice the pipeline ranks (``M < 2P``; from
+    ``2P`` on ``zbv`` runs the phased order, which no cost changes, see [Note: the phased V order] in
+    ``_schedule.py``; the other schedules' orders never depend on costs): ``"auto"`` measures the
+    model's forward, input-backward and weight-backward times on the second training batch and reorders once (see
     [Note: calibrating zbv] in ``_calibrate.py``); ``"unit"`` assumes them equal; an ``ActionCosts`` gives them."""
     virtual_stages: int | None = None
     """Model chunks per rank; default 2 for ``interleaved_1f1b`` and ``zbv`` (which needs 2), else 1."""
@@ -258,9 +260,13 @@ class PipelineEngine:
         costs = config.schedule_costs if isinstance(config.schedule_costs, ActionCosts) else None
         self.train_schedule: Schedule = build_schedule(config.schedule, pp, config.micro_batches, v, costs=costs)
         self._calibration = (
-            ZbvCalibration() if config.schedule == "zbv" and config.schedule_costs == "auto" and pp > 1 else None
+            ZbvCalibration()
+            if config.schedule == "zbv"
+            and config.schedule_costs == "auto"
+            and zbv_orders_by_costs(pp, config.micro_batches)
+            else None
         )
-        """Reorders ``zbv`` by measured costs once; see [Note: calibrating zbv]."""
+        """Reorders ``zbv`` by measured costs once, where its order depends on them; see [Note: calibrating zbv]."""
         self.eval_schedule: Schedule = build_schedule("inference", pp, config.micro_batches, v, config.placement)
         self.module = module
         stages = self.train_schedule.stages_of(self.grid.stage)

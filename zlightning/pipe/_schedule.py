@@ -29,18 +29,21 @@ after the last ``B``. With unit costs F = B = W the idle time per rank drops fro
 units (a third) when ``M >= P``. Each rank then holds at most ``min(P, M)`` micro-batches of activations (until their
 ``W``): 1F1B's peak (that of rank 0), reached on every rank instead of only the first. ``zbv`` places two chunks per
 rank in a V (rank ``r`` holds stages ``r`` and ``2P - 1 - r``, so the first and last stage share rank 0 and the
-turn at rank ``P - 1`` needs no transfer) and orders the actions with a list scheduler over chunk costs (``ActionCosts``; the
-first stage's ``B`` free and its ``W`` the whole backward, see [Note: the first stage's split backward]): when a rank
-is free it runs a ready ``B`` (the lowest micro-batch, the later stage first), else the forward of its deepest chunk
-that is ready, within 1F1B's activation peak of ``2P`` chunk activations (a chunk-0 forward leaves one slot for
-chunk 1, so a full rank never blocks the V's turn), else the oldest pending ``W``. Simulated bubble (1F1B / ZB-H1 /
-ZBV): P = 2, M = 8: 0.111 / 0.040 / 0.040; P = 4, M = 16: 0.158 / 0.059 / 0.086; P = 8, M = 32: 0.179 / 0.068 /
-0.229. This list scheduler matches ZB-H1 on two ranks and falls behind it beyond (from P = 8 behind 1F1B too): it
-is not the paper's handcrafted ZB-V, whose order for any P is not implemented. ``zb_h1`` is the better choice
-whenever P > 2; ``zbv`` holds two chunks per rank (half the layers per action, twice the transfers).
+turn at rank ``P - 1`` needs no transfer). With ``M >= 2P`` it runs the phased order of [Note: the phased V order]
+(DualPipeV's: whole backwards in the steady state, split ones where a deferred ``W`` fills the drain; 2P + 1 chunk
+activations per rank, one chunk above 1F1B's first rank). With fewer micro-batches it orders the actions with a list
+scheduler over chunk costs (``ActionCosts``; the first stage's ``B`` free and its ``W`` the whole backward, see
+[Note: the first stage's split backward]): when a rank is free it runs a ready ``B`` (the lowest micro-batch, the
+later stage first, every backward split), else the forward of its deepest chunk that is ready, within 1F1B's
+activation peak of ``2P`` chunk activations (a chunk-0 forward leaves one slot for chunk 1, so a full rank never
+blocks the V's turn), else the oldest pending ``W``. Simulated bubble at unit costs (1F1B / ZB-H1 / ZBV phased /
+the list order at the same size): P = 2, M = 8: 0.111 / 0.040 / 0.020 / 0.040; P = 4, M = 16: 0.158 / 0.059 / 0.030 /
+0.086; P = 8, M = 32: 0.179 / 0.068 / 0.035 / 0.229. ``zbv`` holds two chunks per rank (half the layers per action,
+twice the transfers).
 
 [Note: zbv orders by measured costs]
-The list scheduler's order is only as good as the costs it is given. Ordered over unit costs and run where a weight
+(Below ``M = 2P``, where ``zbv`` uses the list scheduler; the phased order does not depend on costs.) The list
+scheduler's order is only as good as the costs it is given. Ordered over unit costs and run where a weight
 gradient costs less than an input gradient (the usual case: attention's backward is mostly input-side work), the
 order leaves more idle time than 1F1B: the timing model at P = 2, M = 8 with F = 1, B = 1.3, W = 0.7 gives 0.156
 (1F1B 0.111), and the same list scheduler ordering over those costs gives 0.073. So ``zbv`` takes the costs
@@ -82,6 +85,7 @@ __all__ = [
     "timeline",
     "zb_h1",
     "zbv",
+    "zbv_orders_by_costs",
 ]
 
 Placement = Literal["loop", "v"]
@@ -376,11 +380,96 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def zbv(num_ranks: int, num_microbatches: int, costs: ActionCosts | None = None) -> Schedule:
-    """The V-shaped zero-bubble schedule: two chunks per rank in the ``"v"`` placement, ordered by a list scheduler
-    over chunk costs (unit costs when None); see [Note: zero-bubble schedules] and
+    """The V-shaped zero-bubble schedule: two chunks per rank in the ``"v"`` placement. With at least two
+    micro-batches per stage pair (``M >= 2P``) the phased order of [Note: the phased V order] (costs do not change
+    it); with fewer, a list scheduler over chunk costs (unit costs when None). See [Note: zero-bubble schedules] and
     [Note: zbv orders by measured costs]."""
     _check_sizes("zbv", num_ranks, num_microbatches)
+    if num_microbatches >= 2 * num_ranks:
+        return _phased_v(num_ranks, num_microbatches)
     return _VListScheduler(num_ranks, num_microbatches, costs or ActionCosts()).run()
+
+
+def zbv_orders_by_costs(num_ranks: int, num_microbatches: int) -> bool:
+    """Whether ``zbv``'s order at this size depends on ``ActionCosts`` (the list scheduler's range, ``M < 2P``)."""
+    return num_ranks > 1 and num_microbatches < 2 * num_ranks
+
+
+# [Note: the phased V order]
+# With M >= 2P, ``zbv`` follows the phases of DualPipeV (DeepSeek-V3 report, 2024; the V-shaped variant of DualPipe,
+# also in torch.distributed.pipelining), written here over this IR. Rank r holds chunk a = r (down the V) and chunk
+# b = 2P - 1 - r (back up). Its program, phase by phase, each phase repeated the number of times given:
+#   1. 2 (P - r - 1)       F(a)                       fill the V's descent
+#   2. r + 1               F(a) F(b)                   reach the turn
+#   3. P - r - 1           B(b) split, W(b), F(b)      the first backwards of b, input gradient first
+#   4. M - 2P + r + 1      F(a) B(b) F(b) B(a)         steady state, whole backwards
+#   5. P - r - 1           B(b) F(b) B(a)              the last forwards
+#   6. r + 1               B(b) B(a)                   drain; from the middle pair on (b's on odd ranks, a's on even
+#                                                      ones) each backward is split, its W deferred
+#   7. P - r - 1           W, B(a) (split if 6 split)  deferred weight gradients fill the drain's gaps
+#   8. the rest of the deferred W.
+# Each phase takes the chunk's next micro-batch in order. Compared with the list scheduler below (which splits every
+# backward and keeps 1F1B's peak of 2P chunk activations per rank), this order holds one chunk activation more
+# (2P + 1) and splits only where a deferred W has a gap to fill: the timing model gives it half the list order's bubble
+# at unit costs on two ranks (P = 2, M = 8: 0.020 against 0.040) and far less from four ranks (P = 4, M = 16: 0.030
+# against 0.086; P = 8, M = 32: 0.035 against 0.229, where the list order is behind 1F1B). Whole backwards matter on
+# hardware where a split one costs more than the whole (on the 2-core CPU machine of the benchmark, B + W of two GPT
+# blocks took 1.08-1.17x their plain backward: the retained graph's memory goes cold between B and W). Below
+# M = 2P the phases do not fit (phase 4 would repeat a negative number of times) and the list scheduler orders.
+def _phased_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    P, M = num_ranks, num_microbatches
+    programs = []
+    for r in range(P):
+        a, b = r, 2 * P - 1 - r
+        prog: list[Action] = []
+        next_mb = {(a, ActionKind.FORWARD): 0, (b, ActionKind.FORWARD): 0, (a, ActionKind.BACKWARD): 0}
+        next_mb[(b, ActionKind.BACKWARD)] = 0
+        deferred: list[Action] = []
+
+        def run(stage: int, kind: ActionKind, split: bool = False) -> None:
+            mb = next_mb[(stage, kind)]
+            next_mb[(stage, kind)] = mb + 1
+            prog.append(Action(stage, kind, mb))
+            if split:
+                deferred.append(Action(stage, ActionKind.WEIGHT, mb))
+
+        def weight() -> None:
+            if deferred:
+                prog.append(deferred.pop(0))
+
+        F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+        for _ in range(2 * (P - r - 1)):
+            run(a, F)
+        for _ in range(r + 1):
+            run(a, F)
+            run(b, F)
+        for _ in range(P - r - 1):
+            run(b, B, split=True)
+            weight()
+            run(b, F)
+        for _ in range(M - 2 * P + r + 1):
+            run(a, F)
+            run(b, B)
+            run(b, F)
+            run(a, B)
+        for _ in range(P - r - 1):
+            run(b, B)
+            run(b, F)
+            run(a, B)
+        split = False
+        middle = (r + 1) // 2
+        for i in range(r + 1):
+            split = split or (i == middle and r % 2 == 1)
+            run(b, B, split)
+            split = split or (i == middle and r % 2 == 0)
+            run(a, B, split)
+        for _ in range(P - r - 1):
+            weight()
+            run(a, B, split)
+        while deferred:
+            weight()
+        programs.append(tuple(prog))
+    return Schedule("zbv", P, 2 * P, M, tuple(programs), placement="v")
 
 
 class _VListScheduler:
