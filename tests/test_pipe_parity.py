@@ -339,6 +339,11 @@ def rank_four(rank: int, world: int) -> dict[str, Any]:
             4, PipelineConfig(micro_batches=MICRO, schedule=sched, gradient_clipping=CLIP), partition_method="uniform"
         )
         out[f"pp4_{sched}"] = {"losses": losses, "state": state, "bounds": engine.module.bounds}
+    # zbv above has M = 4 < 2P (the list order); with M = 8 it runs the phased order ([Note: the phased V order])
+    losses, state, engine = _train(
+        4, PipelineConfig(micro_batches=8, schedule="zbv", gradient_clipping=CLIP), partition_method="uniform"
+    )
+    out["pp4_zbv_phased"] = {"losses": losses, "state": state, "split": engine.train_schedule.split}
     losses, state, engine = _train(
         2, PipelineConfig(micro_batches=MICRO, schedule="zbv", zero_stage=1, gradient_clipping=CLIP)
     )
@@ -367,6 +372,15 @@ def test_four_stages_match_single_process(four_rank_runs: list[dict[str, Any]], 
     ref_losses, ref_state = reference(dp=1)
     runs = [r["pp4" if schedule == "1f1b" else f"pp4_{schedule}"] for r in four_rank_runs]
     assert runs[0]["bounds"] == ([0, 2, 4, 6, 8] if schedule != "zbv" else [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    for r in runs:
+        torch.testing.assert_close(r["losses"], ref_losses, **TOL)
+    _check_states([r["state"] for r in runs], ref_state)
+
+
+def test_four_stages_phased_zbv_matches_single_process(four_rank_runs: list[dict[str, Any]]) -> None:
+    ref_losses, ref_state = reference_on(data(), dp=1, micro=8)
+    runs = [r["pp4_zbv_phased"] for r in four_rank_runs]
+    assert runs[0]["split"] and runs[0]["split"] != {(s, m) for s in range(8) for m in range(8)}  # some whole
     for r in runs:
         torch.testing.assert_close(r["losses"], ref_losses, **TOL)
     _check_states([r["state"] for r in runs], ref_state)
