@@ -60,6 +60,7 @@ the wrong tensors or hang on either backend.
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import re
@@ -414,21 +415,21 @@ def zbv_orders_by_costs(num_ranks: int, num_microbatches: int) -> bool:
 # at unit costs on two ranks (P = 2, M = 8: 0.020 against 0.040) and far less from four ranks (P = 4, M = 16: 0.030
 # against 0.086; P = 8, M = 32: 0.035 against 0.229, where the list order is behind 1F1B). Whole backwards matter on
 # hardware where a split one costs more than the whole (on the 2-core CPU machine of the benchmark, B + W of two GPT
-# blocks took 1.08-1.17x their plain backward: the retained graph's memory goes cold between B and W). Below
-# M = 2P the phases do not fit (phase 4 would repeat a negative number of times) and the list scheduler orders.
+# blocks took 1.02-1.17x their plain backward over several runs: the retained graph's memory goes cold between B and
+# W). Below M = 2P the phases do not fit (phase 4 would repeat a negative number of times) and the list scheduler
+# orders.
 def _phased_v(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     programs = []
     for r in range(P):
         a, b = r, 2 * P - 1 - r
         prog: list[Action] = []
-        next_mb = {(a, ActionKind.FORWARD): 0, (b, ActionKind.FORWARD): 0, (a, ActionKind.BACKWARD): 0}
-        next_mb[(b, ActionKind.BACKWARD)] = 0
+        next_mb: collections.Counter[tuple[int, ActionKind]] = collections.Counter()
         deferred: list[Action] = []
 
         def run(stage: int, kind: ActionKind, split: bool = False) -> None:
             mb = next_mb[(stage, kind)]
-            next_mb[(stage, kind)] = mb + 1
+            next_mb[(stage, kind)] += 1
             prog.append(Action(stage, kind, mb))
             if split:
                 deferred.append(Action(stage, ActionKind.WEIGHT, mb))
