@@ -386,14 +386,19 @@ def zbv(num_ranks: int, num_microbatches: int, costs: ActionCosts | None = None)
     it); with fewer, a list scheduler over chunk costs (unit costs when None). See [Note: zero-bubble schedules] and
     [Note: zbv orders by measured costs]."""
     _check_sizes("zbv", num_ranks, num_microbatches)
-    if num_microbatches >= 2 * num_ranks:
+    if _phased_v_fits(num_ranks, num_microbatches):
         return _phased_v(num_ranks, num_microbatches)
     return _VListScheduler(num_ranks, num_microbatches, costs or ActionCosts()).run()
 
 
 def zbv_orders_by_costs(num_ranks: int, num_microbatches: int) -> bool:
     """Whether ``zbv``'s order at this size depends on ``ActionCosts`` (the list scheduler's range, ``M < 2P``)."""
-    return num_ranks > 1 and num_microbatches < 2 * num_ranks
+    return num_ranks > 1 and not _phased_v_fits(num_ranks, num_microbatches)
+
+
+def _phased_v_fits(num_ranks: int, num_microbatches: int) -> bool:
+    """Whether the phases of [Note: the phased V order] fit: at least two micro-batches per rank (``M >= 2P``)."""
+    return num_microbatches >= 2 * num_ranks
 
 
 # [Note: the phased V order]
