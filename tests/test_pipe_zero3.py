@@ -5,7 +5,10 @@ tensors gathered from the shards) equal the one-process run (fp32, rtol 1e-5); e
 and its gradients reduce-scattered once per batch; per-rank model-state bytes at rest are about half (1/DP) of the
 stage's under ZeRO-3. Checkpoints: a ZeRO-3 checkpoint resumes exactly on the same grid, on PP4 without ZeRO, and on
 DP2 x PP2 with ZeRO-1 (the next step equals the uninterrupted one), and a ZeRO-1 checkpoint resumes under ZeRO-3.
-Lightning: ``PipelineStrategy(config=PipelineConfig(zero_stage=3))`` with gradient accumulation and clipping.
+Zero-bubble schedules: ZeRO-3 under ``zbv`` and ZeRO-2 under ``zb_h1`` match the same single process with every
+backward split (none falls back to a whole backward), still one gather and one reduce-scatter per group per batch.
+Lightning: ``PipelineStrategy(config=PipelineConfig(zero_stage=3))`` with gradient accumulation and clipping, under
+1F1B and ``zbv``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from tests.test_pipe_parity import (
     reference,
     reference_on,
 )
-from zlightning.pipe import PipelineConfig, PipelineEngine, load_pipeline_checkpoint, save_pipeline_checkpoint
+from zlightning.pipe import (
+    PipelineConfig,
+    PipelineEngine,
+    _executor,
+    load_pipeline_checkpoint,
+    save_pipeline_checkpoint,
+)
 from zlightning.testing import run_distributed
 from zlightning.zero._param_group import ZeroParamGroup
 
@@ -49,7 +58,8 @@ def _full(engine: PipelineEngine) -> dict[str, torch.Tensor]:
 
 
 class _Counter:
-    """Counts real all-gathers of the ZeRO engine's parameter groups (a test-only look inside the engine)."""
+    """Counts real all-gathers of the ZeRO engine's parameter groups and split / whole ``B`` actions (a test-only
+    look inside the engines)."""
 
     def __init__(self) -> None:
         self.gathers = 0
@@ -61,25 +71,40 @@ class _Counter:
             original(group, async_op)
 
         ZeroParamGroup.start_gather = counting  # type: ignore[method-assign]
+        self.split, self.whole = 0, 0
+        original_b = _executor.backward_input
+
+        def counting_b(*args: Any) -> Any:
+            work = original_b(*args)
+            self.split, self.whole = self.split + (work is not None), self.whole + (work is None)
+            return work
+
+        _executor.backward_input = counting_b  # type: ignore[assignment]
+
+
+ZERO_RUNS = (("zero3", 3, "1f1b"), ("zero2", 2, "1f1b"), ("zero3_zbv", 3, "zbv"), ("zero2_zb_h1", 2, "zb_h1"))
+"""(result key, ZeRO stage, schedule) of the engine runs."""
 
 
 def rank_engines(rank: int, ckpt: Path) -> dict[str, Any]:
     counter = _Counter()
     out: dict[str, Any] = {}
     batches = data()
-    for stage in (3, 2):
+    for key, stage, schedule in ZERO_RUNS:
         engine = PipelineEngine(
             gpt_pipeline(CFG, num_stages=2),
             make_optimizer,
-            PipelineConfig(micro_batches=MICRO, zero_stage=stage, gradient_clipping=CLIP),
+            PipelineConfig(micro_batches=MICRO, zero_stage=stage, gradient_clipping=CLIP, schedule=schedule),
         )
+        counter.split = counter.whole = 0
         losses, gathers, scatters = [], [], []
         for x, y in batches:
             g0, r0 = counter.gathers, sum(s.reduce_scatters for s in engine.zero.states)
             losses.append(float(engine.train_batch(batch=_replica(engine, x, y))))
             gathers.append(counter.gathers - g0)
             scatters.append(sum(s.reduce_scatters for s in engine.zero.states) - r0)
-        out[f"zero{stage}"] = {
+        out[key] = {
+            "split": (counter.split, counter.whole),
             "losses": losses,
             "state": _full(engine),
             "gathers": gathers,
@@ -88,7 +113,7 @@ def rank_engines(rank: int, ckpt: Path) -> dict[str, Any]:
             "memory": engine.memory_report(),
             "grid": (engine.grid.stage, engine.grid.dp_rank),
         }
-        if stage == 3:
+        if key == "zero3":
             zero3 = engine
     # checkpoint after 3 steps; the next step from the checkpoint on other grids and ZeRO stages
     x, y = data(1, seed=9)[0]
@@ -119,9 +144,12 @@ def rank_engines(rank: int, ckpt: Path) -> dict[str, Any]:
 def rank_main(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     from zlightning.strategies import PipelineStrategy
 
-    strategy = PipelineStrategy(num_stages=2, config=PipelineConfig(micro_batches=MICRO, zero_stage=3))
-    module, _ = _fit(world, strategy, epochs=1)
-    out = {"lightning": {"losses": module.losses, "state": strategy.engine.zero.full_state_dict()}}
+    out: dict[str, Any] = {}
+    for schedule in ("1f1b", "zbv"):
+        config = PipelineConfig(micro_batches=MICRO, zero_stage=3, schedule=schedule)
+        strategy = PipelineStrategy(num_stages=2, config=config)
+        module, _ = _fit(world, strategy, epochs=1)
+        out[f"lightning_{schedule}"] = {"losses": module.losses, "state": strategy.engine.zero.full_state_dict()}
     return {**out, **rank_engines(rank, Path(ckpt))}
 
 
@@ -130,10 +158,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(rank_main, 4, str(tmp_path_factory.mktemp("zero3")), init_process_group=False, timeout=500)
 
 
-@pytest.mark.parametrize("stage", [3, 2])
-def test_zero_in_stages_matches_single_process(runs: list[dict[str, Any]], stage: str) -> None:
+@pytest.mark.parametrize("key", [k for k, _, _ in ZERO_RUNS])
+def test_zero_in_stages_matches_single_process(runs: list[dict[str, Any]], key: str) -> None:
     ref_losses, ref_state = reference(dp=2)
-    results = [r[f"zero{stage}"] for r in runs]
+    results = [r[key] for r in runs]
     assert [r["grid"] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in results:
         torch.testing.assert_close(r["losses"], ref_losses, **TOL)
@@ -142,6 +170,11 @@ def test_zero_in_stages_matches_single_process(runs: list[dict[str, Any]], stage
         # reduce-scatter per group per batch, whatever the number of micro-batches
         assert r["gathers"] == [r["groups"]] * len(ref_losses), r["gathers"]
         assert r["scatters"] == [r["groups"]] * len(ref_losses), r["scatters"]
+        split, whole = r["split"]
+        if key.endswith(("zbv", "zb_h1")):  # every backward split: W (not B) ran the parameters' gradients
+            assert split > 0 and whole == 0, r["split"]
+        else:
+            assert split == whole == 0, r["split"]
     _check_states([r["state"] for r in results], ref_state)
 
 
@@ -167,8 +200,9 @@ def test_zero3_checkpoint_resumes_and_reshards(runs: list[dict[str, Any]]) -> No
             torch.testing.assert_close(reloaded[key], value, rtol=0, atol=0, msg=key)
 
 
-def test_lightning_dp2_pp2_zero3_with_accumulation_and_clipping(runs: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_lightning_dp2_pp2_zero3_with_accumulation_and_clipping(runs: list[dict[str, Any]], schedule: str) -> None:
     ref_losses, ref_state = reference_on(lightning_global_batches(dp=2, epochs=1), dp=2, accumulate=ACCUM)
     for r in runs:
-        torch.testing.assert_close(r["lightning"]["losses"], ref_losses, **TOL)
-    _check_states([r["lightning"]["state"] for r in runs], ref_state)
+        torch.testing.assert_close(r[f"lightning_{schedule}"]["losses"], ref_losses, **TOL)
+    _check_states([r[f"lightning_{schedule}"]["state"] for r in runs], ref_state)

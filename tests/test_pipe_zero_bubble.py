@@ -235,7 +235,7 @@ def test_split_backward_equals_one_backward(interval: int) -> None:
         torch.testing.assert_close(g, expected[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_first_stage_is_all_weight_and_shared_weights_fall_back() -> None:
+def test_first_stage_is_all_weight_and_shared_weights_fall_back_only_when_they_must() -> None:
     torch.manual_seed(0)
     split, whole = (gpt_pipeline(CFG).build((0,), 2) for _ in range(2))
     ids = torch.randint(0, 64, (2, 16))
@@ -247,12 +247,29 @@ def test_first_stage_is_all_weight_and_shared_weights_fall_back() -> None:
     whole.run_stage(0, ids).backward(g)
     for name, value in _grads(whole).items():
         torch.testing.assert_close(_grads(split)[name], value, msg=name)
-    # one weight used at two depths of the input path: B runs the whole backward, W has nothing to do
+    # one layer applied at two depths of the input path, its bias feeding both matrix multiplies' edges: B runs the
+    # whole backward, W has nothing to do
     lin = nn.Linear(4, 4)
     x = torch.randn(3, 4, requires_grad=True)
     out = lin(torch.tanh(lin(x)))
     assert backward_input([out], [torch.ones_like(out)], [x]) is None
     assert lin.weight.grad is not None and x.grad is not None
+    # without the bias every edge belongs to one use (its own transpose node; the weight is shared only below the
+    # edges, as a ZeRO stage's gather node is): split, and the same gradients as one backward
+    for use_twice in (
+        lambda lin, x: lin(torch.tanh(lin(x))),
+        lambda lin, x: torch.tanh(x @ (2 * lin.weight).t()) @ (2 * lin.weight).t(),
+    ):
+        lin = nn.Linear(4, 4, bias=False)
+        x = torch.randn(3, 4, requires_grad=True)
+        out = use_twice(lin, x)
+        work = backward_input([out], [torch.ones_like(out)], [x])
+        assert work is not None and work.levels and lin.weight.grad is None
+        backward_weight(work)
+        split_grads = (x.grad.clone(), lin.weight.grad.clone())
+        x.grad, lin.weight.grad = None, None
+        use_twice(lin, x).backward(torch.ones_like(out))
+        torch.testing.assert_close(split_grads, (x.grad, lin.weight.grad), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])

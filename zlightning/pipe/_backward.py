@@ -22,10 +22,15 @@ the input path at all (a first stage whose input is token ids has no input path:
 the parameters' ``.grad`` with their usual hooks. Each weight gradient is therefore computed once and the input path
 is never re-run: ``B + W`` costs what one backward costs, plus one graph walk (a few hundred nodes per stage).
 
-One graph shape cannot be split this way: a node of the weight side reachable from split nodes of two different
-depths (a parameter used twice along the stage's input path, e.g. a weight tied inside one stage), because phase 1
-of the shallower node would run the deeper one. ``B`` then detects it and runs the whole backward itself, and ``W``
-has nothing to do: the same numbers, without the deferral.
+One graph shape cannot be split this way: a weight edge whose node is also on the weight side of a split node of
+another depth, e.g. a layer applied twice along the stage's input path whose bias feeds both uses' matrix multiplies
+straight into one ``AccumulateGrad``. Asked for the gradient at an edge, autograd runs every path from its roots to
+the edge's node, so phase 1 of the shallower node would run the deeper one (and free its graph). ``B`` then detects
+it and runs the whole backward itself, and ``W`` has nothing to do: the same numbers, without the deferral. A node
+shared *below* the edges is harmless (phase 1 stops at the edges, phase 2 runs it once): a bias-free weight used
+twice (each use has its own transpose node) splits, and so do ZeRO-2/3 stages, whose parameters all come out of one
+gather node per group and micro-batch: the engine gives each installed parameter its own view node there, so every
+edge node belongs to one use (see [Note: ZeRO inside a pipeline stage] in ``_zero.py``).
 """
 
 from __future__ import annotations
@@ -110,22 +115,20 @@ def _weight_edges(node: Node, graph: _Graph) -> list[tuple[Node, int]]:
 
 
 def _shared_across_depths(splits: dict[Node, list[tuple[Node, int]]], graph: _Graph) -> bool:
-    """Whether a weight-side node is reachable from split nodes of two different depths; see
+    """Whether the node of some weight edge is also on the weight side of a split node of another depth; see
     [Note: how a backward is split]."""
-    owner_depth: dict[Node, int] = {}
-    for node, edges in splits.items():
-        d = graph.depth[node]
-        stack = [child for child, _ in edges]
+    depths: dict[Node, set[int]] = {}
+    for d in sorted({graph.depth[node] for node in splits}):
+        stack = [child for node, edges in splits.items() if graph.depth[node] == d for child, _ in edges]
+        seen: set[Node] = set()
         while stack:
             n = stack.pop()
-            seen = owner_depth.get(n)
-            if seen is not None:
-                if seen != d:
-                    return True
+            if n in seen:
                 continue
-            owner_depth[n] = d
+            seen.add(n)
+            depths.setdefault(n, set()).add(d)
             stack += [c for c, _ in n.next_functions if c is not None and c in graph.to_param]
-    return False
+    return any(len(depths[child]) > 1 for edges in splits.values() for child, _ in edges)
 
 
 def backward_input(

@@ -77,7 +77,7 @@ class PipelineConfig:
 
     Raises:
         ValueError: a size below its minimum, an unknown schedule, virtual stages without ``interleaved_1f1b``, or
-            ZeRO stage 2/3 with tensor parallelism or a zero-bubble schedule.
+            ZeRO stage 2/3 with tensor parallelism.
     """
 
     micro_batches: int = 4
@@ -137,13 +137,6 @@ class PipelineConfig:
             )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"PipelineConfig: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.zero_stage >= 2 and self.schedule in ("zb_h1", "zbv"):
-            raise ValueError(
-                f"PipelineConfig: zero_stage={self.zero_stage} with schedule={self.schedule!r}: the ZeRO engine gathers "
-                "a stage's parameters through one autograd node, so a backward cannot leave its weight gradients for "
-                "later; use schedule='1f1b' (or 'gpipe'/'interleaved_1f1b') with ZeRO-2/3, or zero_stage=1 with "
-                "the zero-bubble schedules"
-            )
         if self.gradient_clipping < 0:
             raise ValueError(f"PipelineConfig: gradient_clipping must be >= 0, got {self.gradient_clipping}")
         tp = self.tensor_parallel_size
@@ -288,7 +281,13 @@ class PipelineEngine:
         """This rank's chunk(s), channel and ZeRO engines; see [Note: stage, engine and module] in ``_stage.py``."""
         self._sync_replicas()
         if config.zero_stage >= 2:
-            self.stage.zero = StageSharding(module, 3 if config.zero_stage == 3 else 2, self.groups.data, self.device)
+            self.stage.zero = StageSharding(
+                module,
+                3 if config.zero_stage == 3 else 2,
+                self.groups.data,
+                self.device,
+                split_backward=config.schedule in ("zb_h1", "zbv"),
+            )
         self.optimizer: torch.optim.Optimizer | None = (
             optimizer(module.parameters()) if is_factory else optimizer  # type: ignore[operator,assignment,misc]
         )

@@ -69,7 +69,9 @@ class BatchRun:
     _weights: dict[tuple[int, int], DeferredWeights | None] = field(default_factory=dict)
     """Weight gradients a split ``B`` left for its ``W`` (see [Note: split backward] in ``_schedule.py``)."""
     _split: frozenset[tuple[int, int]] = frozenset()
-    _backwards_left: int = 0
+    _last_gradients: tuple[int, int] | None = None
+    """The ``(stage, micro-batch)`` whose weight gradients this rank computes last in the batch (its ``W`` when
+    split, else its ``B``): under ZeRO-2/3 that backward reduce-scatters the batch's sum."""
     _upcoming: dict[tuple[ActionKind, int], deque[Action]] = field(default_factory=dict)
     """Receives of each channel ``(RECV_F / RECV_B, peer)`` not yet posted, in program order."""
     _posted: dict[tuple[ActionKind, int], tuple[Action, Incoming | IncomingGrads]] = field(default_factory=dict)
@@ -100,7 +102,13 @@ class BatchRun:
         }
         program = self.schedule.programs[self.rank]
         self._split = self.schedule.split
-        self._backwards_left = sum(1 for a in program if a.kind is ActionKind.BACKWARD)
+        finishing = [
+            a
+            for a in program
+            if a.kind is ActionKind.WEIGHT
+            or (a.kind is ActionKind.BACKWARD and (a.stage, a.microbatch) not in self._split)
+        ]
+        self._last_gradients = (finishing[-1].stage, finishing[-1].microbatch) if finishing else None
         timed = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
         if self.p2p.can_post_ahead:
             for a in program:
@@ -229,9 +237,7 @@ class BatchRun:
         self._y.pop((s, m), None)
         x = self._x.pop((s, m))
         ins = [t for t in flatten(x)[0] if t.requires_grad and t.is_floating_point()] if s > 0 else []
-        self._backwards_left -= 1
-        if self.stage.zero is not None:  # only the rank's last backward of the batch reduce-scatters
-            self.stage.zero.set_gradient_sync(self._backwards_left == 0)
+        self._sync_gradients_after(s, m)
         if (s, m) in self._split:  # see [Note: split backward] in _schedule.py
             self._weights[(s, m)] = backward_input(wanted, grads, ins) if wanted else None
         elif wanted:
@@ -240,7 +246,15 @@ class BatchRun:
             self._dx[(s, m)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
 
     def _weight(self, a: Action) -> None:
+        self._sync_gradients_after(a.stage, a.microbatch)
         backward_weight(self._weights.pop((a.stage, a.microbatch)))
+
+    def _sync_gradients_after(self, stage: int, microbatch: int) -> None:
+        """ZeRO-2/3: whether the next backward reduce-scatters the batch's gradients (the rank's last to compute
+        weight gradients) or keeps summing them locally. A split ``B`` computes none unless it had to run whole, and
+        then the flag of its own micro-batch is the right one too."""
+        if self.stage.zero is not None:
+            self.stage.zero.set_gradient_sync((stage, microbatch) == self._last_gradients)
 
     def _send_b(self, a: Action) -> None:
         self.p2p.send_grads(self._dx.pop((a.stage, a.microbatch)), self._peer(a.stage - 1))

@@ -27,9 +27,14 @@ averaged already), clipping sums squares over the data-parallel group too (each 
 optimizer (built over ``module.parameters()``, which are the shard pieces) steps only this rank's slice. The
 engines' step hook (``on_optimizer_step``) runs after each step, so the next batch gathers the new values.
 
-What does not combine: tensor parallelism (its layers replace the parameters the engine would shard) and the
-zero-bubble schedules (the engine feeds every parameter of a group through one autograd node, so a backward cannot
-leave weight gradients behind); both raise in ``PipelineConfig``.
+Split backwards (``zb_h1``, ``zbv``). The group's autograd function feeds every parameter of the stage from one node,
+which would make each use's weight edge that node and tie all split nodes together (see [Note: how a backward is
+split] in ``_backward.py``); with ``split_backward`` each installed parameter gets its own view node, so ``B`` stops
+at them and ``W`` runs the gather node's backward (packing, and at the batch's end reduce-scattering). Which backward
+reduce-scatters follows the schedule: the rank's last micro-batch to compute weight gradients, its ``W`` when split.
+
+What does not combine: tensor parallelism (its layers replace the parameters the engine would shard); it raises in
+``PipelineConfig``.
 """
 
 from __future__ import annotations
@@ -74,7 +79,12 @@ class StageSharding:
     """The ZeRO engines of one rank's stage(s); see [Note: ZeRO inside a pipeline stage]."""
 
     def __init__(
-        self, module: PipelineModule, stage: Literal[2, 3], group: dist.ProcessGroup | None, device: torch.device
+        self,
+        module: PipelineModule,
+        stage: Literal[2, 3],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        split_backward: bool = False,
     ) -> None:
         if group is None:
             raise RuntimeError(
@@ -102,6 +112,9 @@ class StageSharding:
             for key, tied in sorted(module.tied_modules.items())
         }
         self.group = group
+        if split_backward:  # see "Split backwards" in the Note
+            for state in self.states:
+                state.group_context.separate_grad_edges = True
 
     @property
     def states(self) -> list[ZeroState]:

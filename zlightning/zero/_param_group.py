@@ -75,6 +75,10 @@ class GroupContext:
     """Called by the group's autograd function once the full gradients of one use of the group exist."""
     offload: GatherHooks | None = None
     """Set once the engine's parameter offload exists."""
+    separate_grad_edges: bool = False
+    """Give every installed full tensor its own autograd node (a view of the group function's output), so that a
+    split backward can stop at one parameter's gradient edge without running the others' uses; set by pipeline
+    stages under a zero-bubble schedule (see [Note: ZeRO inside a pipeline stage] in ``zlightning/pipe/_zero.py``)."""
 
 
 class _UnshardFn(torch.autograd.Function):
@@ -324,6 +328,8 @@ class ZeroParamGroup:
         if self.requires_grad and torch.is_grad_enabled():
             if self._fulls_pass != pass_id or self._autograd_fulls is None:
                 self._autograd_fulls = _UnshardFn.apply(self, *[p.piece for p in self.params])
+                if self.context.separate_grad_edges:
+                    self._autograd_fulls = tuple(t.view_as(t) for t in self._autograd_fulls)
                 self._fulls_pass = pass_id
                 self.pending_backward += 1
             fulls: list[torch.Tensor] | tuple[torch.Tensor, ...] = self._autograd_fulls
