@@ -280,3 +280,24 @@ def test_module_knows_only_its_driver_and_the_stage_runs_with_its_context() -> N
 
     module.run_stage(0, x.requires_grad_(), context=Counting).sum().backward()  # checkpointed: entered on recompute
     assert len(entered) == 1 + 2 + 2  # one pass around the blocks, each block's forward and its recomputation
+
+
+def test_send_thread_holds_no_tensor_and_stop_joins_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the send thread never frees a tensor]: once a send is issued and drained, only the caller holds the
+    tensor (so its last reference never dies in the send thread at interpreter exit), and ``stop`` ends the thread.
+    ``dist.isend`` is replaced by a stub: this checks the thread's bookkeeping, not gloo."""
+    import weakref
+
+    from zlightning.pipe import _p2p
+
+    monkeypatch.setattr(_p2p.dist, "isend", lambda t, dst, group=None, tag=0: ("work", dst, tag))
+    sender = _p2p._Sender(None)
+    sent = torch.ones(4)
+    alive = weakref.ref(sent)
+    sender.submit(sent, 1, 7)
+    issued = sender.drain()
+    assert [(work, t is sent) for work, t in issued] == [(("work", 1, 7), True)]
+    del sent, issued
+    assert alive() is None, "the send thread still references the last tensor it sent"
+    sender.stop()
+    assert not sender.thread.is_alive()

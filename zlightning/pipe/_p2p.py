@@ -147,6 +147,15 @@ class _Sender:
         self.thread = threading.Thread(target=self._loop, name="zlightning-pipe-sender", daemon=True)
         self.thread.start()
 
+    # [Note: the send thread never frees a tensor]
+    # Interpreter shutdown runs the finalizer that stops this thread (``P2P`` registers it with weakref.finalize,
+    # whose callbacks run at exit). The thread then returned from ``_loop`` with the last tensor it sent still in a
+    # local; releasing it there freed the tensor, whose deallocation releases and retakes the GIL, and a daemon thread
+    # that retakes the GIL while the interpreter finalizes is ended by ``pthread_exit`` from inside C++ code that
+    # cannot unwind: ``terminate called without an active exception`` and SIGABRT after a successful run (seen once
+    # in about ten multi-engine runs of the zero-bubble schedules). So the loop drops its reference to each item at
+    # once (``issued`` keeps the tensor alive until the main thread drains it), and ``stop`` joins the thread, which
+    # therefore ends before finalization goes on.
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
@@ -154,17 +163,17 @@ class _Sender:
                 return
             if isinstance(item, threading.Event):
                 item.set()
-                continue
-            t, dst, tag = item
-            if self.error is not None:
-                continue
-            try:
-                self.issued.append((dist.isend(t, dst, group=self.group, tag=tag), t))
-            except BaseException as e:  # surfaced by drain() on the main thread
-                self.error = e
+            elif self.error is None:
+                try:
+                    self.issued.append((dist.isend(item[0], item[1], group=self.group, tag=item[2]), item[0]))
+                except BaseException as e:  # surfaced by drain() on the main thread
+                    self.error = e
+            del item  # see [Note: the send thread never frees a tensor]
 
     def stop(self) -> None:
         self.queue.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=10.0)
 
     def submit(self, t: torch.Tensor, dst: int, tag: int) -> None:
         if self.error is not None:
