@@ -35,13 +35,15 @@ edge node belongs to one use (see [Note: ZeRO inside a pipeline stage] in ``_zer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["DeferredWeights", "backward_input", "backward_weight"]
+__all__ = ["DeferredWeights", "SavedActivations", "backward_input", "backward_weight"]
 
 
 @dataclass
@@ -195,3 +197,94 @@ def backward_weight(work: DeferredWeights | None) -> None:
     work.levels.clear()
     if edges:
         torch.autograd.backward(edges, values)
+
+
+# [Note: what B leaves for W]
+# ``B`` keeps the stage's graph (``retain_graph``) so that ``W`` can re-enter it, and a kept graph keeps every tensor
+# its nodes saved, also those only the input path needed: attention's and GELU's inputs, a norm's statistics, the
+# loss's operands. ``W`` runs only the split nodes (a matrix multiply needs its input for ``dW``) and the weight side
+# below them, so a micro-batch waiting for its ``W`` held about twice what it needs, and ZB-H1's last rank, which
+# keeps one such micro-batch next to 1F1B's, peaked above 1F1B's first rank. ``SavedActivations`` packs every tensor
+# the stage forward saves into a holder (through the hooks already installed, if any, so outer accounting or offload
+# still applies); after ``B`` it reads the saved tensors of exactly the nodes ``W`` will run, which marks their
+# holders, and empties the rest. A holder emptied by mistake fails loudly when unpacked, it never computes wrong.
+
+
+class _Saved:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class SavedActivations:
+    """The tensors one stage forward saved for backward, so that those only ``B`` needed are freed once it ran; see
+    [Note: what B leaves for W]."""
+
+    def __init__(self) -> None:
+        self._holders: list[_Saved] = []
+        self._marked: set[int] | None = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+        def pack(t: torch.Tensor) -> _Saved:
+            held = _Saved(outer[0](t) if outer is not None else t.detach())  # not t: a saved output would form a cycle
+            self._holders.append(held)
+            return held
+
+        def unpack(held: _Saved) -> torch.Tensor:
+            if self._marked is not None:
+                self._marked.add(id(held))
+            if held.value is None:
+                raise RuntimeError(
+                    "zlightning pipeline: a tensor saved by a stage's forward was freed after its input backward (B) "
+                    "but its weight backward (W) needs it; this is a bug in zlightning/pipe/_backward.py, please "
+                    "report it with the model (as a workaround, use schedule='1f1b')"
+                )
+            return outer[1](held.value) if outer is not None else held.value
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def keep_only_for(self, work: DeferredWeights | None) -> None:
+        """After ``B``: frees every saved tensor that the nodes ``work`` runs do not use (all of them when ``B`` ran
+        the whole backward: ``work`` None)."""
+        self._marked = set()
+        try:
+            for node in _nodes_of(work) if work is not None else []:
+                for name in dir(node):
+                    if name.startswith("_saved_"):
+                        getattr(node, name)  # unpacks, which marks the holder
+                if hasattr(node, "saved_tensors"):  # a custom autograd.Function
+                    node.saved_tensors  # noqa: B018 - read for its unpack hooks
+            kept = self._marked
+        finally:
+            self._marked = None
+        for held in self._holders:
+            if id(held) not in kept:
+                held.value = None
+        self._holders = []  # the kept ones live in their nodes, which W releases
+
+
+def _nodes_of(work: DeferredWeights) -> list[Node]:
+    """The nodes ``backward_weight(work)`` runs: the split nodes (phase 1) and everything below the weight edges and
+    the weight-only roots (phase 2)."""
+    out: list[Node] = []
+    seen: set[Node] = set()
+    stack: list[Node] = [e.node for e in work.roots]
+    for entries, _, weight_edges in work.levels:
+        for e in entries:
+            if e.node not in seen:
+                seen.add(e.node)
+                out.append(e.node)
+        stack += [e.node for e in weight_edges]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        out.append(node)
+        stack += [c for c, _ in node.next_functions if c is not None]
+    return out

@@ -10,6 +10,7 @@ input that receives no gradient (unused) sends zeros so the pairing of sends and
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zlightning.pipe._backward import DeferredWeights, backward_input, backward_weight
+from zlightning.pipe._backward import DeferredWeights, SavedActivations, backward_input, backward_weight
 from zlightning.pipe._p2p import P2P, Incoming, IncomingGrads, TensorMeta, flatten, unflatten
 from zlightning.pipe._schedule import Action, ActionKind, Schedule
 from zlightning.pipe._stage import PipelineStage
@@ -68,6 +69,9 @@ class BatchRun:
     _dx: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     _weights: dict[tuple[int, int], DeferredWeights | None] = field(default_factory=dict)
     """Weight gradients a split ``B`` left for its ``W`` (see [Note: split backward] in ``_schedule.py``)."""
+    _saved: dict[tuple[int, int], SavedActivations] = field(default_factory=dict)
+    """What the forwards of split backwards saved, until their ``B`` ran (see [Note: what B leaves for W] in
+    ``_backward.py``)."""
     _split: frozenset[tuple[int, int]] = frozenset()
     _last_gradients: tuple[int, int] | None = None
     """The ``(stage, micro-batch)`` whose weight gradients this rank computes last in the batch (its ``W`` when
@@ -131,6 +135,7 @@ class BatchRun:
             self._upcoming.clear()
             self._posted.clear()
             self._weights.clear()
+            self._saved.clear()
 
     # ---------------------------------------------------------------------------------------- receives ahead
     def _channel(self, a: Action) -> tuple[ActionKind, int]:
@@ -182,18 +187,22 @@ class BatchRun:
             self._x[(s, m)] = x
         if s == 0:
             self._x[(s, m)] = x
-        try:
-            y = self.stage.forward(s, x)
-        except Exception as e:
-            layers = self.stage.layers(s)
-            raise RuntimeError(
-                f"pipeline stage {s} (layers {layers.start}..{layers.stop - 1}) failed in the forward of micro-batch "
-                f"{m} with {describe(x) or 'no tensor inputs'}: {type(e).__name__}: {e}. Check that the previous stage's "
-                "output matches what this stage's first layer expects"
-            ) from e
+        saved = None
+        if s > 0 and (s, m) in self._split:  # the first stage's W is its whole backward: nothing to free early
+            saved = self._saved[(s, m)] = SavedActivations()
+        with saved.recording() if saved is not None else contextlib.nullcontext():
+            try:
+                y = self.stage.forward(s, x)
+            except Exception as e:
+                layers = self.stage.layers(s)
+                raise RuntimeError(
+                    f"pipeline stage {s} (layers {layers.start}..{layers.stop - 1}) failed in the forward of "
+                    f"micro-batch {m} with {describe(x) or 'no tensor inputs'}: {type(e).__name__}: {e}. Check that "
+                    "the previous stage's output matches what this stage's first layer expects"
+                ) from e
+            loss = self.stage.compute_loss(y, self.labels[m]) if s == self.last and self.with_loss else None
         if s == self.last:
-            if self.with_loss:
-                loss = self.stage.compute_loss(y, self.labels[m])
+            if loss is not None:
                 self._loss[m] = loss
                 self.losses.append(loss.detach())
             if self.keep_outputs:
@@ -239,7 +248,10 @@ class BatchRun:
         ins = [t for t in flatten(x)[0] if t.requires_grad and t.is_floating_point()] if s > 0 else []
         self._sync_gradients_after(s, m)
         if (s, m) in self._split:  # see [Note: split backward] in _schedule.py
-            self._weights[(s, m)] = backward_input(wanted, grads, ins) if wanted else None
+            work = self._weights[(s, m)] = backward_input(wanted, grads, ins) if wanted else None
+            saved = self._saved.pop((s, m), None)
+            if saved is not None:
+                saved.keep_only_for(work)
         elif wanted:
             torch.autograd.backward(wanted, grads)
         if s > 0:
