@@ -1,4 +1,4 @@
-"""``zstack_pipeline``: a thin Lightning adapter over ``zlightning.pipe`` (pipeline x data parallelism, ZeRO-1).
+"""``zstack_pipeline``: a thin Lightning adapter over ``zlightning.pipe`` (pipeline x data parallelism, ZeRO-1/2/3).
 
 [Note: how a step maps onto Lightning]
 The LightningModule holds a ``PipelineModule`` (``self.pipe = PipelineModule(layers=..., loss_fn=...)``) and its
@@ -165,7 +165,8 @@ class PipelineStrategy(LaunchedParallelStrategy):
             backward split into input and weight gradients where that fills idle time; see [Note: zero-bubble schedules]
             in ``zlightning.pipe``).
         partition: overrides the module's ``partition_method`` (``"parameters"``, ``"uniform"``, ``"type:REGEX"``).
-        config: full engine config instead of ``micro_batches``/``schedule`` (virtual stages, ZeRO-1, loss scaler).
+        config: full engine config instead of ``micro_batches``/``schedule`` (virtual stages, ZeRO stage 1-3 with any
+            schedule, loss scaler).
             ``Trainer(precision="16-mixed")`` adds the default ``LossScalerConfig()`` when ``config`` has none.
         tensor_parallel_size: TP ranks per stage (PP x DP x TP grid; see [Note: PP x TP in Lightning]); also settable
             as ``config.tensor_parallel_size``.
@@ -399,5 +400,5 @@ class PipelineStrategy(LaunchedParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="Pipeline parallelism (x data parallelism, ZeRO-1)"
+            cls.strategy_name, cls, description="Pipeline parallelism (x data parallelism, ZeRO-1/2/3)"
         )
