@@ -87,6 +87,7 @@ from zlightning.zero import (
     zero3_shard,
 )
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
+from zlightning.zero._deferred import InitRecording, deferred_init
 from zlightning.zero._offload_config import CPUOffload, NVMeOffload
 
 __all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor"]
@@ -207,6 +208,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         self._attached: list[torch.optim.Optimizer] = []
         self._loaded_sharded = False
         self._failed = False
+        self._recording: InitRecording | None = None  # how configure_model built the model (meta device)
         # See [Note: tensor parallel and compile in the strategy].
         self.compile_config: CompileConfig | None = CompileConfig() if compile is True else (compile or None)
         self.tensor_parallel_size = tensor_parallel_size
@@ -393,10 +395,14 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Modules built in ``configure_model`` go to the meta device: each rank then materialises only its shards
-        (``reset_parameters()`` per module, seeded by name), so a model larger than one rank's memory can be built."""
-        with torch.device("meta"):
+        """Modules built in ``configure_model`` go to the meta device and their construction is recorded: each rank
+        then materialises only its shards, with exactly the values an unsharded build of the same seeded code has
+        (see [Note: recorded initialisation]), so a model larger than one rank's memory can be built."""
+        if self._recording is not None:
+            self._recording.discard()
+        with deferred_init(self.root_device) as recording:
             yield
+        self._recording = recording
 
     @override
     def model_to_device(self) -> None:
@@ -436,6 +442,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
                 self._engine.release_all(keep_persistent=False)
             if isinstance(self._precision_plugin, ZeroPrecision):
                 self._precision_plugin.engine = None
+        if self._recording is not None:
+            self._recording.discard()  # the engine has every initial value by now
+            self._recording = None
         empty_host_cache()  # the step's idle buffers go back to the OS
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()

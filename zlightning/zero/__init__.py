@@ -18,6 +18,7 @@ from zlightning.zero._checkpoint import (
 )
 from zlightning.zero._config import CheckpointPolicy, MixedPrecisionPolicy, ZeroConfig
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, UnsupportedConfigError, from_deepspeed_config
+from zlightning.zero._deferred import InitRecording, deferred_init
 from zlightning.zero._estimate import MemoryEstimate, estimate_zero_memory
 from zlightning.zero._export import StateDictWriter, iter_full_state_dict, save_full_state_dict, summon_full_params
 from zlightning.zero._offload_config import CPUOffload, NVMeOffload, OffloadPolicy
@@ -57,6 +58,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "NVMeOffload",
     "ZeroConfig",
+    "deferred_init",
     "engine_of",
     "estimate_zero_memory",
     "save_full_state_dict",

@@ -2,12 +2,18 @@
 every rank and at every world size.
 
 [Note: sharded initialisation]
-A model built on the meta device (Lightning's ``configure_model`` under the strategy, or ``torch.device("meta")``)
-costs no memory. Each group then materialises, one module at a time, only the parameters it needs: the module's own
-parameters are allocated, initialised by ``param_init_fn(module)`` or ``module.reset_parameters()`` under a seed
-derived from the run's seed and the module's qualified name, copied into the group's flat layout, and dropped. Values
-depend on the seed and the names only, so every world size starts from the same model; peak memory is one group's
-flat layout (one unit), not the model.
+A model built on the meta device (Lightning's ``configure_model`` under the strategy, ``deferred_init()`` or
+``torch.device("meta")``) costs no memory. Each group then materialises, one parameter at a time, only the values it
+needs, copies this rank's slice into its flat layout, and drops them; peak memory is one group's flat layout (one
+unit), not the model. Where the values come from, in order:
+
+1. ``param_init_fn(module)`` when the user gives one (explicit wins);
+2. the recording of the build, when the model was built under ``deferred_init`` (the strategy's ``configure_model``):
+   the exact values an unsharded build of the same seeded code would have (see [Note: recorded initialisation]);
+3. the module's ``reset_parameters()`` under a seed derived from the run's seed and the module's qualified name (a
+   model built under a plain ``torch.device("meta")``).
+
+Every rank and every world size gets the same values in each case.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zlightning.zero._deferred import InitRecording
 from zlightning.zero._param import ZeroParam
 
 __all__ = ["ParamInitFn", "ShardedInit"]
@@ -36,14 +43,28 @@ class ShardedInit:
         param_init_fn: ParamInitFn | None,
         process_group: dist.ProcessGroup | None,
         global_src: int,
+        recording: InitRecording | None = None,
     ) -> None:
         self.device = device
         self.param_init_fn = param_init_fn
+        self.recording = recording  # parameters: only without param_init_fn (explicit wins); buffers: always
         self.seed = _shared_seed(process_group, global_src)
+        if self.recording is not None:
+            self.recording.synchronize(process_group, global_src)
         self._cache: dict[int, dict[str, torch.Tensor]] = {}
 
+    def recorded_value(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s value replayed from the build's recording on this engine's device, or None when not recorded."""
+        if self.recording is None:
+            return None
+        value = self.recording.materialize(t)
+        return None if value is None else value.to(self.device)
+
     def initial_value(self, zp: ZeroParam) -> torch.Tensor:
-        """Full initial value of ``zp`` (computed for its whole module on first use)."""
+        """Full initial value of ``zp`` (replayed, or computed for its whole module on first use)."""
+        value = self.recorded_value(zp.original) if self.param_init_fn is None else None
+        if value is not None:
+            return value
         module, name = zp.slots[0]
         key = id(module)
         if key not in self._cache:
@@ -73,8 +94,9 @@ class ShardedInit:
             else:
                 raise ValueError(
                     f"parameters of {prefix or '<root>'} ({type(module).__name__}) are on the meta device but the "
-                    "module has no reset_parameters(): give the ZeRO engine param_init_fn=... (called per module) "
-                    "or build that module outside the sharded-init context"
+                    "module has no reset_parameters() and its construction was not recorded: build the model under "
+                    "zlightning.zero.deferred_init() (Lightning's configure_model does) instead of a plain "
+                    "torch.device('meta'), or give the ZeRO engine param_init_fn=... (called per module)"
                 )
         values = {n: p.detach() for n, p in module._parameters.items() if p is not None}
         module._parameters.update(originals)  # back to meta; buffers stay materialised

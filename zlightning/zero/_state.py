@@ -52,6 +52,7 @@ from zlightning._watchdog import watch_engine
 from zlightning.zero._buffers import StoragePool
 from zlightning.zero._collectives import CommStreams
 from zlightning.zero._config import ZeroConfig, dtype_from_name
+from zlightning.zero._deferred import recording_for
 from zlightning.zero._host_memory import pin_mmap_threshold, use_host_cache
 from zlightning.zero._init import ParamInitFn, ShardedInit
 from zlightning.zero._offload import ZeroOffload, close_swap_files
@@ -143,7 +144,12 @@ class ZeroState:
         if self.device.type == "cpu" and config.host_mmap_threshold is not None:
             pin_mmap_threshold(config.host_mmap_threshold)
         self.meta_init = any(p.is_meta for p in root.parameters())
-        self._init = ShardedInit(self.device, param_init_fn, process_group, self.global_src) if self.meta_init else None
+        metas = [t for t in (*root.parameters(), *root.buffers()) if t.is_meta]
+        self._init = (
+            ShardedInit(self.device, param_init_fn, process_group, self.global_src, recording_for(metas))
+            if metas
+            else None
+        )
         self.streams = CommStreams(self.device)
         self.params: list[ZeroParam] = []
         self.units: list[ZeroUnit] = []
@@ -260,12 +266,25 @@ class ZeroState:
         for zp in self.params:
             zp.install(zp.piece)
         if self._init is not None:
+            replayed: dict[int, torch.Tensor] = {}  # a buffer registered twice stays one tensor
+            with torch.no_grad():
+                for module in self.root.modules():
+                    for name, b in module._buffers.items():
+                        if b is None or not b.is_meta:
+                            continue
+                        if id(b) not in replayed:
+                            value = self._init.recorded_value(b)
+                            if value is None:
+                                continue
+                            replayed[id(b)] = value.clone()  # its own storage, not the replayed one
+                        module._buffers[name] = replayed[id(b)]
             self._init.done()
         meta_buffers = [n for n, b in self.root.named_buffers() if b.is_meta]
         if meta_buffers:
             raise ValueError(
-                f"buffers {meta_buffers[:5]} are still on the meta device after sharded initialisation: their modules "
-                "must (re)create them in reset_parameters() or param_init_fn, or create them outside the meta context"
+                f"buffers {meta_buffers[:5]} are still on the meta device after sharded initialisation: build the model "
+                "under zlightning.zero.deferred_init() (Lightning's configure_model does), or make their modules "
+                "(re)create them in reset_parameters() or param_init_fn, or create them outside the meta context"
             )
 
     def _new_group(self, params: list[ZeroParam], persistent: bool) -> ZeroParamGroup:
