@@ -283,6 +283,9 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         if engine is None:
             dp_group = self._tp.dp_group if self._tp is not None else None
             engine = zero3_shard(self.model, config, process_group=dp_group, device=self.root_device)
+            if self._recording is not None:  # every initial value is in the shards now: free what the log holds
+                self._recording.discard()  # (e.g. a state dict that configure_model loaded into the meta model)
+                self._recording = None
             # clipping and the fp16 overflow check also reduce over the TP group: see [Note: tensor parallel and
             # compile in the strategy]
             engine.model_parallel = (
@@ -443,7 +446,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             if isinstance(self._precision_plugin, ZeroPrecision):
                 self._precision_plugin.engine = None
         if self._recording is not None:
-            self._recording.discard()  # the engine has every initial value by now
+            self._recording.discard()  # a run that failed before sharding
             self._recording = None
         empty_host_cache()  # the step's idle buffers go back to the OS
         if self.cluster_environment is not None:

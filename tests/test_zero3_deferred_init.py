@@ -9,6 +9,8 @@ build of the same seeded code has, whatever its modules do in ``__init__``.
 * Through ``Trainer.fit`` on 2 ranks: such a model built in ``configure_model`` starts from the single-process values
   and trains to the same losses and parameters.
 * Ranks seeded differently replay rank 0's build (as DDP's broadcast would give them).
+* Weights loaded with ``load_state_dict`` inside ``configure_model`` are the run's starting point (they used to be
+  dropped: a copy into a meta tensor keeps nothing).
 """
 
 from __future__ import annotations
@@ -237,4 +239,57 @@ def test_ranks_seeded_differently_replay_rank_zeros_build(world: int) -> None:
     expected = Zoo(depth=1).state_dict()
     for r in run_distributed(_unseeded, world, timeout=180):
         for name, value in expected.items():
+            assert torch.equal(r[name], value), name
+
+
+class Pretrained(pl.LightningModule):
+    """Loads saved weights into the (meta-device) model inside configure_model, as fine-tuning code does."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.net: nn.Module | None = None
+        self.start: dict[str, torch.Tensor] = {}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.net.load_state_dict(torch.load(self.path, weights_only=True))
+
+    def on_fit_start(self) -> None:
+        self.start = _unprefixed(full_state_dict(self))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_pretrained(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    import zlightning  # noqa: F401
+
+    module = Pretrained(path)
+    trainer = pl.Trainer(
+        strategy="zstack_zero3",
+        accelerator="cpu",
+        devices=world,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2))
+    return module.start
+
+
+def test_weights_loaded_in_configure_model_are_the_starting_point(tmp_path: Any) -> None:
+    torch.manual_seed(5)
+    saved = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).state_dict()
+    torch.save(saved, tmp_path / "weights.pt")
+    for r in run_distributed(
+        _fit_pretrained, 2, str(tmp_path / "weights.pt"), init_process_group=False, timeout=180, start_method="spawn"
+    ):
+        for name, value in saved.items():
             assert torch.equal(r[name], value), name
