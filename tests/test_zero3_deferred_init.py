@@ -293,3 +293,21 @@ def test_weights_loaded_in_configure_model_are_the_starting_point(tmp_path: Any)
     ):
         for name, value in saved.items():
             assert torch.equal(r[name], value), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_replay_on_cuda_equals_a_build_on_cuda() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(7)
+    with device:
+        real = Zoo()
+    torch.manual_seed(7)
+    with deferred_init(device) as recording:
+        meta = Zoo()
+    expected = _values(real)
+    for name, t in _values(meta).items():
+        value = recording.materialize(t)
+        assert value is not None and value.device == device, name
+        assert torch.equal(value, expected[name].detach()), name
+    recording.discard()
