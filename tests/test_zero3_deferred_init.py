@@ -311,3 +311,22 @@ def test_replay_on_cuda_equals_a_build_on_cuda() -> None:
         assert value is not None and value.device == device, name
         assert torch.equal(value, expected[name].detach()), name
     recording.discard()
+
+
+def test_value_dependent_draws_and_nesting_match_a_real_build() -> None:
+    def build() -> nn.Module:
+        model = nn.Linear(6, 6)
+        weights = torch.ones(6).cumsum(0)  # multinomial's draws depend on these values
+        model.register_buffer("picks", torch.multinomial(weights, 4))
+        model.register_buffer("mask", torch.bernoulli(torch.full((6, 6), 0.3)))
+        return model
+
+    torch.manual_seed(2)
+    real = build()
+    torch.manual_seed(2)
+    with deferred_init() as outer, deferred_init() as inner:
+        meta = build()
+    assert inner is outer
+    for name, value in _values(real).items():
+        assert torch.equal(outer.materialize(_values(meta)[name]), value.detach()), name
+    outer.discard()

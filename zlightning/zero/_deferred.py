@@ -79,15 +79,15 @@ _SCRATCH_MMAP_BYTES = 1 << 16
 
 
 def _scratch_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor of ``like``'s shape, strides and dtype on ``device``, for a random operation to run
+    """A zero tensor of ``like``'s shape, strides and dtype on ``device``, for a random operation to run
     on and be thrown away. Large host ones are mapped straight from the OS and unmapped after: a run of model-sized
     blocks through glibc would raise its dynamic mmap threshold and leave freed heap behind, resident for the whole
     run, before the engine's host allocator is even installed."""
     extent = 1 + sum((n - 1) * st for n, st in zip(like.shape, like.stride(), strict=True)) if like.numel() else 0
     nbytes = extent * like.element_size()
     if device.type != "cpu" or nbytes < _SCRATCH_MMAP_BYTES:
-        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
-    block = mmap.mmap(-1, nbytes)  # anonymous: returned to the OS when the last view of it is gone
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device).zero_()
+    block = mmap.mmap(-1, nbytes)  # anonymous (zeros): returned to the OS when the last view of it is gone
     flat = torch.frombuffer(block, dtype=like.dtype, count=extent)
     return flat.as_strided(like.shape, like.stride())
 
@@ -133,6 +133,17 @@ class InitRecording:
             return self.device
         return x
 
+    def _real(self, x: Any) -> Any:
+        if _is_meta(x):
+            value = self.materialize(x)
+            if value is None:
+                raise ValueError(
+                    "deferred_init: a random operation reads the values of a meta tensor that was not built inside "
+                    "deferred_init(); build it inside, or draw it on a real device"
+                )
+            return value
+        return self._scratch(x)
+
     def record_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         inputs = [x for x in tree_flatten((args, kwargs))[0] if _is_meta(x)]
         flat_out = tree_flatten(out)[0]
@@ -154,7 +165,11 @@ class InitRecording:
         rng = None
         if torch.Tag.nondeterministic_seeded in func.tags or any(a.name == "generator" for a in schema.arguments):
             rng = self._random_state(kwargs)
-            func(*tree_map(self._scratch, args), **tree_map(self._scratch, kwargs))  # advance as a real build would
+            try:  # advance the generator as a real build would
+                func(*tree_map(self._scratch, args), **tree_map(self._scratch, kwargs))
+            except Exception:  # it reads its inputs' values (multinomial of all-zero weights): draw from the real ones
+                rng[0].set_state(rng[1])
+                func(*tree_map(self._real, args), **tree_map(self._real, kwargs))
         op = _Op(
             func,
             tree_map(_alias, args),
@@ -373,6 +388,11 @@ def deferred_init(device: torch.device | str | None = None) -> Iterator[InitReco
     target = torch.device(device) if device is not None else torch.device("cpu")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
+    active = getattr(_ACTIVE, "recording", None)
+    if active is not None:  # nested: the enclosing recording already sees everything (recording twice would draw
+        with torch.device("meta"):  # every random tensor twice)
+            yield active
+        return
     recording = InitRecording(target)
     with torch.device("meta"), _Constants(recording), _Recorder(recording), _patched_init_functions(recording):
         yield recording
