@@ -172,6 +172,7 @@ class ZeroParamGroup:
         self._autograd_fulls: tuple[torch.Tensor, ...] | None = None
         self._fulls_pass = -1
         self.pending_backward = 0
+        self._node_pass = -1  # the pass that made the last autograd node (kept across reshards, unlike _fulls_pass)
         self.unsynced: FlatGradient | None = None  # [W*S] full gradients summed while gradient sync is off
         self._lent: torch.UntypedStorage | None = None  # the pool's token for the bytes in ``storage``
         self._fresh: list[ZeroParam] = []  # pieces whose .grad this backward created (see ZeroState.finish_backward)
@@ -321,18 +322,31 @@ class ZeroParamGroup:
                 out.append(t)
         return out
 
-    def install(self, pass_id: int) -> None:
-        """Points every module slot at the full tensors (autograd-connected in grad mode, once per pass)."""
+    def install(self, pass_id: int, recompute: bool = False) -> None:
+        """Points every module slot at the full tensors (autograd-connected in grad mode, once per pass).
+
+        ``recompute``: a forward inside backward (activation checkpointing). When this pass's autograd node is still
+        waiting for its gradients, the original graph takes them (``use_reentrant=False``): the recomputation gets
+        detached tensors that require grad, so it saves what the original forward saved and adds no node whose
+        backward never comes (see [Note: a unit's forward inside backward] in ``_state.py``)."""
         if self.status is not GroupState.UNSHARDED:
             raise AssertionError(f"install() on a group in state {self.status}")
+        fulls: list[torch.Tensor] | tuple[torch.Tensor, ...]
         if self.requires_grad and torch.is_grad_enabled():
+            if recompute and self.pending_backward > 0 and self._node_pass == pass_id:
+                fulls = [t.requires_grad_(p.requires_grad) for p, t in zip(self.params, self.full_tensors())]
+                for p, t in zip(self.params, fulls):
+                    p.install(t)
+                self._installed = True
+                return
             if self._fulls_pass != pass_id or self._autograd_fulls is None:
                 self._autograd_fulls = _UnshardFn.apply(self, *[p.piece for p in self.params])
                 if self.context.separate_grad_edges:
                     self._autograd_fulls = tuple(t.view_as(t) for t in self._autograd_fulls)
                 self._fulls_pass = pass_id
+                self._node_pass = pass_id
                 self.pending_backward += 1
-            fulls: list[torch.Tensor] | tuple[torch.Tensor, ...] = self._autograd_fulls
+            fulls = self._autograd_fulls
         else:
             fulls = self.full_tensors()
         for p, t in zip(self.params, fulls):

@@ -449,6 +449,10 @@ class ZeroState:
         if not self._pass_open():
             self._open_pass()
             self._ensure_root()
+        if self.training_state is TrainingState.BACKWARD:  # see [Note: a unit's forward inside backward]
+            unit.unshard()
+            unit.install(self._pass_id, recompute=True)
+            return
         if unit not in self._order:
             self._order.append(unit)
         if self.offload is not None and self._last_order:  # disk reads run further ahead than all-gathers
@@ -461,8 +465,19 @@ class ZeroState:
             if pos is not None:
                 self._prefetch(self._last_order[pos + 1 :])
 
+    # [Note: a unit's forward inside backward]
+    # Activation checkpointing runs a unit's forward again during backward, to rebuild what its backward reads.
+    # * ``use_reentrant=False`` (torch's advice): the recomputed tensors are unpacked into the nodes of the original
+    #   graph, which run right after, and the gradients flow through the original graph to the autograd node the
+    #   forward made (still pending). So the recomputation gets plain gathered tensors (requiring grad, so it saves
+    #   what the forward saved) instead of a second node, whose backward would never come and would keep the unit
+    #   gathered to the end of backward; and the unit is not resharded at the recomputation's end, which would free
+    #   the parameters those nodes are about to read. The unit's own backward releases it, as without checkpointing.
+    # * ``use_reentrant=True``: the original forward ran without grad (no node), the recomputed graph is the one
+    #   backpropagated: it gets a node as any forward does, and the unit is released when that node's backward runs.
+    # Neither prefetches: the forward order's next units are the ones whose backward is already done.
     def unit_post_forward(self, unit: ZeroUnit) -> None:
-        if self._hooks_off():
+        if self._hooks_off() or self.training_state is TrainingState.BACKWARD:
             return
         if torch.is_grad_enabled() and not self.config.reshard_after_forward:
             return  # kept for backward: see ZeroConfig.reshard_after_forward

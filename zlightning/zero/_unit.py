@@ -76,9 +76,9 @@ class ZeroUnit:
         for g in self.groups:
             g.unshard()
 
-    def install(self, pass_id: int) -> None:
+    def install(self, pass_id: int, recompute: bool = False) -> None:
         for g in self.groups:
-            g.install(pass_id)
+            g.install(pass_id, recompute)
 
     def reshard(self) -> None:
         for g in self.groups:
