@@ -77,6 +77,8 @@ class ZeroPrecision(Precision):
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         if self.scaler is not None:
             tensor = tensor * self.scaler.scale
+        if self.engine is not None:
+            self.engine.expect_backward(tensor)
         return super().pre_backward(tensor, module)
 
     @override

@@ -5,7 +5,8 @@ tensors to the original graph; the unit must stay gathered through it (see [Note
 backward]). Proof on 2 ranks: training through ``Trainer.fit`` equals one process (losses and parameters), every
 group is sharded again after backward, and a recompute holds no more gathered than a backward without checkpointing
 (a second autograd node per recomputed unit, whose backward never comes, used to keep every unit gathered to the end
-of backward; before that, resharding at the recomputation's end crashed the backward).
+of backward; before that, resharding at the recomputation's end crashed the backward), and the engine's backward ends
+once per backward in both modes.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Module(pl.LightningModule):
         self.gathered_in_recompute: list[int] = []
         self.left_gathered: list[int] = []
         self.in_backward = False
+        self.finishes = 0
+        self.forward_order = 0
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -71,6 +74,13 @@ class Module(pl.LightningModule):
                 busy = [g for g in engine.groups if not g.persistent and g.status is not GroupState.SHARDED]
                 self.gathered_in_recompute.append(len(busy))
 
+        finish = engine.finish_backward
+
+        def counted_finish() -> None:  # the engine's end of backward: once per backward, also when recomputing
+            self.finishes += 1
+            finish()
+
+        engine.finish_backward = counted_finish  # type: ignore[method-assign]
         for block in self.net.blocks:
             block.register_forward_pre_hook(count)  # runs after the engine's (prepended) pre-hook has gathered
 
@@ -86,6 +96,11 @@ class Module(pl.LightningModule):
         self.left_gathered.append(
             sum(1 for g in engine.groups if not g.persistent and g.status is not GroupState.SHARDED)
         )
+
+    def on_train_end(self) -> None:
+        from zlightning.zero import engine_of
+
+        self.forward_order = len(engine_of(self)._order)  # what the next forward prefetches by
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = (self.net(batch[0]) - batch[1]).pow(2).mean()
@@ -124,6 +139,8 @@ def _fit(rank: int, world: int, reentrant: bool) -> dict[str, Any]:
         "losses": module.losses,
         "recompute": module.gathered_in_recompute,
         "left": module.left_gathered,
+        "finishes": module.finishes,
+        "order": module.forward_order,
     }
 
 
@@ -151,3 +168,7 @@ def test_checkpointed_units_train_like_one_process(reentrant: bool) -> None:
         # the root's group, the block recomputing and at most two prefetched (the window of a backward without
         # checkpointing): never the forward order's next blocks, never blocks whose backward is done
         assert max(r["recompute"]) <= 4, r["recompute"]
+        # the engine's backward ends once per backward (a reentrant recomputation's nested backward used to end it,
+        # re-gathering the root's groups per block), and recomputing leaves the forward order for prefetch intact
+        assert r["finishes"] == STEPS, r["finishes"]
+        assert r["order"] == DEPTH, r["order"]

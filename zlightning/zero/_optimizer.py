@@ -347,7 +347,9 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         self.state.gradient_sync = self.state.config.stage != 1 or boundary
         if isinstance(self.optimizer, OffloadedAdam):  # the update may run in this backward when nothing comes between
             self.optimizer.step_in_next_backward(boundary and self.scaler is None and self.gradient_clipping == 0)
-        (loss * (self.loss_scale / self.gradient_accumulation_steps)).backward(retain_graph=retain_graph)
+        scaled = loss * (self.loss_scale / self.gradient_accumulation_steps)
+        self.state.expect_backward(scaled)
+        scaled.backward(retain_graph=retain_graph)
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Unscales (fp16), skips on overflow, clips, steps and zeroes gradients. Returns False when skipped."""

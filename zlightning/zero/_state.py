@@ -474,7 +474,11 @@ class ZeroState:
     #   gathered to the end of backward; and the unit is not resharded at the recomputation's end, which would free
     #   the parameters those nodes are about to read. The unit's own backward releases it, as without checkpointing.
     # * ``use_reentrant=True``: the original forward ran without grad (no node), the recomputed graph is the one
-    #   backpropagated: it gets a node as any forward does, and the unit is released when that node's backward runs.
+    #   backpropagated, in a backward nested in the outer one: it gets a node as any forward does, and the unit is
+    #   released when that node's backward runs. Only the outer backward may end the engine's backward (reductions
+    #   drained, unused gradients settled, root groups released): ``expect_backward`` queues that work on the outer
+    #   backward before any nested one starts; without it (a plain ``loss.backward()``) each nested backward ends
+    #   one, which is exact but re-gathers the root's groups per recomputed unit.
     # Neither prefetches: the forward order's next units are the ones whose backward is already done.
     def unit_post_forward(self, unit: ZeroUnit) -> None:
         if self._hooks_off() or self.training_state is TrainingState.BACKWARD:
@@ -527,6 +531,18 @@ class ZeroState:
         return not all(self.offload.landed(g) for g in unit.groups if g.status is GroupState.SHARDED)
 
     # ================================================================ backward
+    def expect_backward(self, loss: torch.Tensor) -> None:
+        """Enters BACKWARD as soon as a backward of ``loss`` starts (its own gradient is the first one computed), so
+        the end-of-backward work is queued on that outermost backward: a backward nested inside it (reentrant
+        activation checkpointing) then runs as part of it instead of ending the engine's backward early (see
+        [Note: a unit's forward inside backward]). The Lightning strategy and ``DeepSpeedZeroOptimizer_Stage3``
+        call it; a plain ``loss.backward()`` works without it."""
+        if not self._hooks_off() and loss.requires_grad:
+            loss.register_hook(self._on_loss_gradient)
+
+    def _on_loss_gradient(self, grad: torch.Tensor) -> None:
+        self._queue_finish()
+
     def _queue_finish(self) -> None:
         if self.training_state is not TrainingState.BACKWARD:
             self._to(TrainingState.BACKWARD)
