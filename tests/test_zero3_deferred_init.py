@@ -330,3 +330,28 @@ def test_value_dependent_draws_and_nesting_match_a_real_build() -> None:
     for name, value in _values(real).items():
         assert torch.equal(outer.materialize(_values(meta)[name]), value.detach()), name
     outer.discard()
+
+
+def test_a_hugging_face_model_from_config_gets_its_own_initialisation() -> None:
+    # Hugging Face skips its init when torch.tensor([]) says "meta" (see [Note: the device probe])
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    real = transformers.AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    with deferred_init() as recording:
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    expected = _values(real)
+    for name, t in _values(meta).items():
+        value = recording.materialize(t)
+        assert value is not None and torch.equal(value, expected[name].detach()), name
+    assert float(expected["lm_head.weight"].std()) < 0.05  # its normal(0, 0.02), not nn.Linear's default
+    recording.discard()

@@ -320,6 +320,10 @@ class _Recorder(TorchDispatchMode):
 _CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
 
 
+def _is_device_probe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return bool(args) and isinstance(args[0], (list, tuple)) and not args[0] and "device" not in kwargs
+
+
 class _Constants(TorchFunctionMode):
     """``torch.tensor(1.5)`` on the meta device never reaches ATen with its value: keep the value as a constant."""
 
@@ -329,6 +333,14 @@ class _Constants(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.tensor and _is_device_probe(args, kwargs):
+            # [Note: the device probe]
+            # ``torch.tensor([]).device`` is how libraries ask where tensors are being built; Hugging Face's
+            # ``init_weights`` skips initialisation when the answer is meta (it expects weights to be loaded next), so
+            # ``AutoModelForCausalLM.from_config`` would keep nn.Linear's defaults instead of its own init, unlike the
+            # same code under DDP. An empty tensor holds no values: answering with the real device costs nothing and
+            # lets the library initialise as in an unsharded build (recorded like any other init).
+            return func(*args, **{**kwargs, "device": self.recording.device})
         out = func(*args, **kwargs)
         if func in _CONSTRUCTORS and _is_meta(out) and not any(_is_meta(x) for x in tree_flatten((args, kwargs))[0]):
             value = func(*args, **{**kwargs, "device": "cpu"})
