@@ -1,4 +1,6 @@
-"""Activation checkpointing (``torch.utils.checkpoint``) inside ZeRO-3 units, both recompute modes.
+"""Activation checkpointing (``torch.utils.checkpoint``) inside ZeRO-3 units, both recompute modes, around a block
+call (the recomputation calls the block, hooks and all) and inside a block (Hugging Face's GradientCheckpointingLayer
+style: the recomputation calls the inner forward, past the hooks; it used to read the shards and fail).
 
 With ``use_reentrant=False`` (torch's advice) the recomputed forward of a unit runs inside backward and hands its
 tensors to the original graph; the unit must stay gathered through it (see [Note: a unit's forward inside
@@ -25,20 +27,40 @@ from zlightning.testing import run_distributed
 D, DEPTH, STEPS, BATCH = 16, 6, 4, 8
 
 
-class Checkpointed(nn.Module):
+class SelfCheckpointing(nn.Module):
+    """Checkpoints itself as Hugging Face's GradientCheckpointingLayer does: the recomputation calls the inner
+    forward directly, past the module's hooks."""
+
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
         self.reentrant = reentrant
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._inner, x, use_reentrant=self.reentrant)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool, style: str = "module") -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.style = style
         self.inp = nn.Linear(D, D)  # makes the blocks' inputs require grad (the reentrant mode needs that)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(DEPTH)
-        )
+        if style == "module":  # torch.utils.checkpoint(block, x): the recomputation calls the block, hooks and all
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(DEPTH)
+            )
+        else:
+            self.blocks = nn.ModuleList(SelfCheckpointing(reentrant) for _ in range(DEPTH))
         self.head = nn.Linear(D, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for block in self.blocks:
-            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+            x = x + (checkpoint(block, x, use_reentrant=self.reentrant) if self.style == "module" else block(x))
         return self.head(x).squeeze(-1)
 
 
@@ -48,9 +70,10 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Module(pl.LightningModule):
-    def __init__(self, reentrant: bool) -> None:
+    def __init__(self, reentrant: bool, style: str) -> None:
         super().__init__()
         self.reentrant = reentrant
+        self.style = style
         self.net: nn.Module | None = None
         self.losses: list[float] = []
         self.gathered_in_recompute: list[int] = []
@@ -61,7 +84,7 @@ class Module(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.net is None:
-            self.net = Checkpointed(self.reentrant)
+            self.net = Checkpointed(self.reentrant, self.style)
 
     def on_fit_start(self) -> None:
         from zlightning.zero import engine_of
@@ -111,7 +134,7 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-def _fit(rank: int, world: int, reentrant: bool) -> dict[str, Any]:
+def _fit(rank: int, world: int, reentrant: bool, style: str) -> dict[str, Any]:
     import zlightning  # noqa: F401  (registers zstack_zero3)
     from zlightning.zero import full_state_dict
 
@@ -121,7 +144,7 @@ def _fit(rank: int, world: int, reentrant: bool) -> dict[str, Any]:
     rows = torch.cat(
         [torch.arange(i * BATCH + rank * per_rank, i * BATCH + (rank + 1) * per_rank) for i in range(STEPS)]
     )
-    module = Module(reentrant)
+    module = Module(reentrant, style)
     trainer = pl.Trainer(
         strategy="zstack_zero3",
         accelerator="cpu",
@@ -144,10 +167,11 @@ def _fit(rank: int, world: int, reentrant: bool) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("style", ["module", "self"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpointed_units_train_like_one_process(reentrant: bool) -> None:
+def test_checkpointed_units_train_like_one_process(reentrant: bool, style: str) -> None:
     pl.seed_everything(0, verbose=False)
-    reference = Checkpointed(reentrant)
+    reference = Checkpointed(reentrant, style)
     opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     x, y = _data()
     losses = []
@@ -157,17 +181,18 @@ def test_checkpointed_units_train_like_one_process(reentrant: bool) -> None:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    ranks = run_distributed(_fit, 2, reentrant, init_process_group=False, timeout=300, start_method="spawn")
+    ranks = run_distributed(_fit, 2, reentrant, style, init_process_group=False, timeout=300, start_method="spawn")
     mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
     torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(ranks[0]["final"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     for r in ranks:
         assert r["left"] == [0] * STEPS, r["left"]  # nothing stays gathered past backward
-        assert len(r["recompute"]) == STEPS * DEPTH, r["recompute"]  # every block recomputed in every backward
-        # the root's group, the block recomputing and at most two prefetched (the window of a backward without
-        # checkpointing): never the forward order's next blocks, never blocks whose backward is done
-        assert max(r["recompute"]) <= 4, r["recompute"]
+        if style == "module":  # (a self-checkpointing block recomputes past its hooks: nothing to count there)
+            assert len(r["recompute"]) == STEPS * DEPTH, r["recompute"]  # every block recomputed in every backward
+            # the root's group, the block recomputing and at most two prefetched (the window of a backward without
+            # checkpointing): never the forward order's next blocks, never blocks whose backward is done
+            assert max(r["recompute"]) <= 4, r["recompute"]
         # the engine's backward ends once per backward (a reentrant recomputation's nested backward used to end it,
         # re-gathering the root's groups per block), and recomputing leaves the forward order for prefetch intact
         assert r["finishes"] == STEPS, r["finishes"]

@@ -173,6 +173,7 @@ class ZeroParamGroup:
         self._fulls_pass = -1
         self.pending_backward = 0
         self._node_pass = -1  # the pass that made the last autograd node (kept across reshards, unlike _fulls_pass)
+        self._node_fulls: tuple[torch.Tensor, ...] | None = None  # its outputs (views of self.storage, refilled)
         self.unsynced: FlatGradient | None = None  # [W*S] full gradients summed while gradient sync is off
         self._lent: torch.UntypedStorage | None = None  # the pool's token for the bytes in ``storage``
         self._fresh: list[ZeroParam] = []  # pieces whose .grad this backward created (see ZeroState.finish_backward)
@@ -326,18 +327,16 @@ class ZeroParamGroup:
         """Points every module slot at the full tensors (autograd-connected in grad mode, once per pass).
 
         ``recompute``: a forward inside backward (activation checkpointing). When this pass's autograd node is still
-        waiting for its gradients, the original graph takes them (``use_reentrant=False``): the recomputation gets
-        detached tensors that require grad, so it saves what the original forward saved and adds no node whose
-        backward never comes (see [Note: a unit's forward inside backward] in ``_state.py``)."""
+        waiting for its gradients, the recomputation gets that node's outputs again (their storage is refilled by
+        the gather): it saves what the original forward saved, a graph it builds and backpropagates (reentrant
+        mode) reaches the same node, and no second node is made whose backward would never come (see
+        [Note: a unit's forward inside backward] in ``_state.py``)."""
         if self.status is not GroupState.UNSHARDED:
             raise AssertionError(f"install() on a group in state {self.status}")
         fulls: list[torch.Tensor] | tuple[torch.Tensor, ...]
         if self.requires_grad and torch.is_grad_enabled():
-            if recompute and self.pending_backward > 0 and self._node_pass == pass_id:
-                fulls = [t.requires_grad_(p.requires_grad) for p, t in zip(self.params, self.full_tensors())]
-                for p, t in zip(self.params, fulls):
-                    p.install(t)
-                self._installed = True
+            if recompute and self._node_pending(pass_id):
+                self._install(self._node_fulls)  # type: ignore[arg-type]
                 return
             if self._fulls_pass != pass_id or self._autograd_fulls is None:
                 self._autograd_fulls = _UnshardFn.apply(self, *[p.piece for p in self.params])
@@ -345,6 +344,7 @@ class ZeroParamGroup:
                     self._autograd_fulls = tuple(t.view_as(t) for t in self._autograd_fulls)
                 self._fulls_pass = pass_id
                 self._node_pass = pass_id
+                self._node_fulls = self._autograd_fulls
                 self.pending_backward += 1
             fulls = self._autograd_fulls
         else:
@@ -352,6 +352,26 @@ class ZeroParamGroup:
         for p, t in zip(self.params, fulls):
             p.install(t)
         self._installed = True
+
+    def _node_pending(self, pass_id: int) -> bool:
+        return self.pending_backward > 0 and self._node_pass == pass_id and self._node_fulls is not None
+
+    def _install(self, fulls: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+        for p, t in zip(self.params, fulls):
+            p.install(t)
+        self._installed = True
+
+    def install_for_backward(self, pass_id: int) -> None:
+        """Module slots hold full tensors during the group's backward, for a recomputation that calls a module's
+        ``forward`` directly, past the engine's hooks (Hugging Face's gradient checkpointing): the pending node's
+        outputs, or plain tensors for a group that needs no gradient. Nothing else: a new node there would never
+        see its backward."""
+        if self.status is not GroupState.UNSHARDED:
+            return
+        if not self.requires_grad:
+            self._install(self.full_tensors())
+        elif self._node_pending(pass_id):
+            self._install(self._node_fulls)  # type: ignore[arg-type]
 
     def uninstall(self) -> None:
         if self._installed:

@@ -469,10 +469,13 @@ class ZeroState:
     # Activation checkpointing runs a unit's forward again during backward, to rebuild what its backward reads.
     # * ``use_reentrant=False`` (torch's advice): the recomputed tensors are unpacked into the nodes of the original
     #   graph, which run right after, and the gradients flow through the original graph to the autograd node the
-    #   forward made (still pending). So the recomputation gets plain gathered tensors (requiring grad, so it saves
-    #   what the forward saved) instead of a second node, whose backward would never come and would keep the unit
-    #   gathered to the end of backward; and the unit is not resharded at the recomputation's end, which would free
-    #   the parameters those nodes are about to read. The unit's own backward releases it, as without checkpointing.
+    #   forward made (still pending). So the recomputation gets that node's outputs again (their storage refilled by
+    #   the gather) instead of a second node, whose backward would never come and would keep the unit gathered to
+    #   the end of backward; and the unit is not resharded at the recomputation's end, which would free the
+    #   parameters those nodes are about to read. The unit's own backward releases it, as without checkpointing.
+    # * Hugging Face's gradient checkpointing calls the layer's ``forward`` directly in the recomputation, past the
+    #   unit's hooks: the unit's pre-backward hook reinstalls the pending node's outputs in the module slots, so the
+    #   recomputation reads gathered parameters connected to that node, in either mode.
     # * ``use_reentrant=True``: the original forward ran without grad (no node), the recomputed graph is the one
     #   backpropagated, in a backward nested in the outer one: it gets a node as any forward does, and the unit is
     #   released when that node's backward runs. Only the outer backward may end the engine's backward (reductions
@@ -495,6 +498,7 @@ class ZeroState:
             pos = self._order.index(unit)
             self.offload.prefetch([g for u in reversed(self._order[: pos + 1]) for g in u.groups])
         unit.unshard()  # also waits for a prefetch still in flight
+        unit.install_for_backward(self._pass_id)  # see [Note: a unit's forward inside backward]
         if self.config.overlap_comm and unit in self._order:
             pos = self._order.index(unit)
             self._prefetch(list(reversed(self._order[:pos])))

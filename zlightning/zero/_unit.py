@@ -80,6 +80,10 @@ class ZeroUnit:
         for g in self.groups:
             g.install(pass_id, recompute)
 
+    def install_for_backward(self, pass_id: int) -> None:
+        for g in self.groups:
+            g.install_for_backward(pass_id)
+
     def reshard(self) -> None:
         for g in self.groups:
             g.reshard()
