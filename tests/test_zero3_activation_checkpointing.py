@@ -197,3 +197,92 @@ def test_checkpointed_units_train_like_one_process(reentrant: bool, style: str) 
         # re-gathering the root's groups per block), and recomputing leaves the forward order for prefetch intact
         assert r["finishes"] == STEPS, r["finishes"]
         assert r["order"] == DEPTH, r["order"]
+
+
+def _llama() -> nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    model.gradient_checkpointing_enable()  # Hugging Face's default mode
+    return model
+
+
+class Llama(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm: nn.Module | None = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.lm is None:
+            self.lm = _llama()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.lm(input_ids=batch[0], labels=batch[0]).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (2 * BATCH, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _fit_llama(rank: int, world: int) -> dict[str, Any]:
+    import zlightning  # noqa: F401
+    from zlightning.zero import full_state_dict
+
+    pl.seed_everything(0, verbose=False)
+    tokens = _tokens()
+    per_rank = BATCH // world
+    rows = torch.cat([torch.arange(i * BATCH + rank * per_rank, i * BATCH + (rank + 1) * per_rank) for i in range(2)])
+    module = Llama()
+    trainer = pl.Trainer(
+        strategy="zstack_zero3",
+        accelerator="cpu",
+        devices=world,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(tokens[rows]), batch_size=per_rank))
+    return {
+        "final": {k.removeprefix("lm."): v.clone() for k, v in full_state_dict(module).items()},
+        "losses": module.losses,
+    }
+
+
+def test_hugging_face_gradient_checkpointing_from_configure_model_matches_one_process() -> None:
+    pytest.importorskip("transformers")
+    pl.seed_everything(0, verbose=False)
+    reference = _llama()
+    reference.train()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tokens = _tokens()
+    losses = []
+    for i in range(2):
+        batch = tokens[i * BATCH : (i + 1) * BATCH]
+        loss = reference(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    ranks = run_distributed(_fit_llama, 2, init_process_group=False, timeout=300, start_method="spawn")
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ranks[0]["final"][name], value, rtol=1e-5, atol=1e-6, msg=name)
