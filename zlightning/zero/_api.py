@@ -39,7 +39,8 @@ def zero3_shard(
         process_group: data-parallel group (default: the world).
         unit_policy: ``policy(name, module) -> bool`` to choose units in code.
         device: where shards live (default: the module's device). Required for a model on the meta device.
-        param_init_fn: for a meta-device model, initialises one module's own parameters (default: the module's
+        param_init_fn: for a meta-device model, initialises one module's own parameters (default: the values
+            recorded by ``deferred_init()`` when the model was built under it, else the module's
             ``reset_parameters()``). Each rank then materialises only its shards.
 
     Returns:

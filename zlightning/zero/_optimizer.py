@@ -286,8 +286,8 @@ class DeepSpeedZeroOptimizer_Stage3:  # noqa: N801 - DeepSpeed's public name, ke
         gradient_accumulation_steps: ``backward`` divides the loss by this; call ``step`` once per window.
         unit_policy: ``policy(name, module) -> bool`` choosing units in code (overrides ``config.unit_modules``).
         device: where shards live; required when ``module`` was built on the meta device (sharded initialisation).
-        param_init_fn: initialises one module's own parameters for a meta-device model (default: its
-            ``reset_parameters()``).
+        param_init_fn: initialises one module's own parameters for a meta-device model (default: the values
+            recorded by ``deferred_init()`` when the model was built under it, else its ``reset_parameters()``).
     """
 
     def __init__(
