@@ -64,7 +64,26 @@ class _ScoreSizes(pl.Callback):
         self.sizes.append(sum(owned))
 
 
-def _rank_fit(rank: int, world: int, strategy: str, export_path: str) -> dict[str, Any]:
+class _BuiltInConfigureModel(TinyGPTModule):
+    """The same model built in ``configure_model`` (as ``zstack_zero3`` asks for large models): the callbacks'
+    ``setup`` runs before it, when the module has no layers yet."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.model: Any = None
+        self.lr = 1e-3
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = tiny_gpt()
+
+
+def _module(built: str) -> TinyGPTModule:
+    return TinyGPTModule() if built == "init" else _BuiltInConfigureModel()
+
+
+def _rank_fit(rank: int, world: int, strategy: str, export_path: str, built: str = "init") -> dict[str, Any]:
     from zlightning.strategies import ZStackZero3Strategy
 
     import zlightning  # noqa: F401  (registers zstack_zero3)
@@ -73,7 +92,7 @@ def _rank_fit(rank: int, world: int, strategy: str, export_path: str) -> dict[st
     if strategy == "zstack_zero3":  # shard every parameter, even this tiny model's (no persistent small ones)
         strategy = ZStackZero3Strategy(ZeroConfig(param_persistence_threshold=0))
     pl.seed_everything(0, verbose=False)
-    module = TinyGPTModule()
+    module = _module(built)
     callbacks = _callbacks(export_path)
     sizes = _ScoreSizes()
     trainer = _trainer(strategy, world, max_steps=STEPS, accumulate_grad_batches=ACCUM, callbacks=[*callbacks, sizes])
@@ -110,12 +129,14 @@ def _reference() -> tuple[TinyGPTModule, list[float]]:
     return module, losses
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zstack_zero3"])
-def test_callbacks_match_single_process_and_export(tmp_path: Any, strategy: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "built"), [("ddp", "init"), ("zstack_zero3", "init"), ("zstack_zero3", "configure_model")]
+)
+def test_callbacks_match_single_process_and_export(tmp_path: Any, strategy: str, built: str) -> None:
     from zlightning.compression import load_compressed, redundancy_clean
 
     path = tmp_path / "gpt.zlc"
-    out = run_distributed(_rank_fit, WORLD, strategy, str(path), init_process_group=False, timeout=300)
+    out = run_distributed(_rank_fit, WORLD, strategy, str(path), built, init_process_group=False, timeout=300)
     ref, ref_losses = _reference()
     # each rank saw half of the global batch: the mean of the two ranks' losses is the reference loss
     torch.testing.assert_close(
@@ -279,12 +300,13 @@ def test_layer_reduction_with_distillation() -> None:
     assert all(p.grad is None for p in teacher.parameters())
 
 
-def test_resume_restores_masks_scores_and_schedule(tmp_path: Any) -> None:
+@pytest.mark.parametrize("built", ["init", "configure_model"])
+def test_resume_restores_masks_scores_and_schedule(tmp_path: Any, built: str) -> None:
     from zlightning.callbacks import RowPruning, SparsePruning
 
     def fit(epochs: int, ckpt: str | None = None) -> tuple[TinyGPTModule, pl.Trainer]:
         pl.seed_everything(0, verbose=False)
-        module = TinyGPTModule()
+        module = _module(built)
         callbacks = [
             SparsePruning(r"mlp\.fc$", dense_ratio=0.5, schedule_offset=1),
             RowPruning(r"attn\.proj$", method="topk", dense_ratio=0.5, schedule_offset=3),
@@ -305,3 +327,30 @@ def test_resume_restores_masks_scores_and_schedule(tmp_path: Any) -> None:
     assert any(k.endswith("row_pruning.scores") for k in expected)
     for key, value in resumed.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_model_built_in_configure_model_is_reduced_compressed_and_fits_again() -> None:
+    from zlightning.callbacks import LayerReduction, SparsePruning
+
+    teacher = TinyGPTModule()
+    kd = LayerReduction(teacher, module_name_prefix="model.blocks", teacher_layer=(2, 0, 1))
+    prune = SparsePruning(r"mlp\.fc$", dense_ratio=0.5, schedule_offset=0)
+
+    class Check(pl.Callback):
+        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            student, source = pl_module.model.blocks[0], teacher.model.blocks[2]
+            self.copied = all(torch.equal(a, b) for a, b in zip(student.parameters(), source.parameters()))
+            self.optimized = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+
+    check = Check()
+    student = _BuiltInConfigureModel()
+    assert student.model is None
+    _trainer("auto", 1, max_steps=2, callbacks=[kd, prune, check]).fit(student, loader(2, 2, 1))
+    fc = student.model.blocks[0].mlp.fc
+    assert check.copied  # the layer copy ran after configure_model built the student, before training
+    assert id(fc.weight) in check.optimized
+    assert int(fc.sparse_pruning.mask.sum()) == fc.weight.numel() // 2  # pruned from the first step
+    assert "configure_model" not in student.__dict__  # the one-call wrapper is gone
+    # a second fit of the same module: configure_model keeps the built model, nothing is selected twice
+    _trainer("auto", 1, max_steps=4, callbacks=[kd, prune]).fit(student, loader(2, 2, 1))
+    assert student.model.blocks[0].mlp.fc is fc

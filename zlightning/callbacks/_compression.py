@@ -1,13 +1,15 @@
 """Lightning callbacks over `zlightning.compression`: a thin adapter from Trainer hooks to the core functions.
 
 [Note: when the model is compressed]
-The callbacks call `init_compression` in ``setup("fit")``. Lightning runs callback ``setup`` before
-``configure_model`` and before the strategy's ``setup`` (which builds the optimizers and, under ``zstack_zero3``,
+Modules are compressed before the strategy's ``setup`` (which builds the optimizers and, under ``zstack_zero3``,
 shards the parameters), so learnable scores reach the optimizer and ZeRO-3 shards them like any parameter; the
-quantizers and masks then work on the weights gathered for each forward. A model created inside ``configure_model``
-does not exist yet at that point: for such models call `init_compression` at the end of your ``configure_model``
-and `apply_schedule` in ``on_train_batch_start`` (the core functions), since a callback would select the modules a
-second time and raise.
+quantizers and masks then work on the weights gathered for each forward. Lightning runs callback ``setup`` before
+``configure_model``, and a model built there (as ``zstack_zero3`` asks for large models) does not exist yet in
+``setup``. So when the LightningModule overrides ``configure_model``, ``setup("fit")`` arranges for the compression to
+run right after that hook returns (still inside the strategy's init contexts: under ``zstack_zero3`` masks and scores
+are recorded with the rest of the build, see `zlightning.zero.deferred_init`), and before Lightning restores a
+checkpoint given as ``ckpt_path``, so the masks and scores it holds find their modules. Otherwise the model exists
+and is compressed in ``setup``. A module compressed once is not compressed again by a later ``fit``.
 
 [Note: schedule and logging]
 Before every training batch (and before validation) the callback calls `apply_schedule` with
@@ -27,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -77,6 +80,26 @@ def _related(related: Sequence[Sequence[str]] | None) -> tuple[tuple[str, ...], 
     return None if related is None else tuple(tuple(r) for r in related)
 
 
+def _after_model_is_built(pl_module: pl.LightningModule, compress: Callable[[], None]) -> None:
+    """Runs ``compress`` now, or right after ``pl_module.configure_model`` if it overrides that hook (see [Note: when
+    the model is compressed]). The hook is wrapped on the instance for one call only, then restored."""
+    if not is_overridden("configure_model", pl_module):
+        compress()
+        return
+    inner = pl_module.__dict__.get("configure_model")  # an earlier callback's wrapper, or None (the class method)
+
+    def configure_model_then_compress() -> None:
+        if inner is None:
+            del pl_module.__dict__["configure_model"]
+            pl_module.configure_model()
+        else:
+            pl_module.__dict__["configure_model"] = inner
+            inner()
+        compress()
+
+    pl_module.__dict__["configure_model"] = configure_model_then_compress
+
+
 class CompressionCallback(Callback):
     """Compression-aware training from a `CompressionConfig` or DeepSpeed's ``compression_training`` dict/JSON.
 
@@ -113,8 +136,12 @@ class CompressionCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._applied_to == id(pl_module):
             return
-        init_compression(pl_module, self.config, self.teacher_model)
-        self._applied_to = id(pl_module)
+
+        def compress() -> None:
+            init_compression(pl_module, self.config, self.teacher_model)
+            self._applied_to = id(pl_module)
+
+        _after_model_is_built(pl_module, compress)
 
     @override
     def on_train_batch_start(
@@ -420,11 +447,17 @@ class LayerReduction(Callback):
         self.distillation_weight = float(distillation_weight)
         self.temperature = float(temperature)
         self.teacher_output = teacher_output
+        self._applied_to: int | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            reduce_layers(pl_module, self.teacher_model, self.config)
+        if stage == "fit" and self._applied_to != id(pl_module):
+
+            def reduce() -> None:
+                reduce_layers(pl_module, self.teacher_model, self.config)
+                self._applied_to = id(pl_module)
+
+            _after_model_is_built(pl_module, reduce)
         self.teacher_model.eval().requires_grad_(False)
 
     @override

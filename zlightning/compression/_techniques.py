@@ -188,8 +188,9 @@ class Mask(ScheduledTechnique):
         self.register_buffer("ready", torch.zeros((), dtype=torch.bool, device=weight.device))
         self.scores = None
         if method == "topk":
-            init = self.l1_scores(weight) if weight.device.type != "meta" else torch.empty(shape, device="meta")
-            self.scores = nn.Parameter(init.detach().clone().float())
+            # on a meta weight too: inside `zlightning.zero.deferred_init` (a model built in ``configure_model``
+            # under zstack_zero3) the computation is recorded and replayed with the weight's real values
+            self.scores = nn.Parameter(self.l1_scores(weight).detach().clone().float())
 
     def _score_shape(self, weight: Tensor) -> tuple[int, ...]:
         if self.kind == "sparse":
