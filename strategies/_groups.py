@@ -9,8 +9,8 @@ __all__ = ["metrics_to_group"]
 
 def metrics_to_group(module: torch.nn.Module, group: torch.distributed.ProcessGroup) -> None:
     """Points the torchmetrics metrics of ``module`` that sync over the world (``process_group=None``) at the
-    data-parallel group: TP peers update them with the same batches, so a world-wide sync would count each
-    data-parallel replica ``tensor_parallel_size`` times."""
+    data-parallel group: pipeline stages and TP peers of one replica update them with the same batches, so a
+    world-wide sync would count each data-parallel replica once per such rank."""
     from torchmetrics import Metric
 
     for metric in module.modules():

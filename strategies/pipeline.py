@@ -25,16 +25,18 @@ parallelism] in ``zlightning.pipe._checkpoint``), and consolidation raises ``Not
 
 [Note: PP x TP in Lightning]
 ``PipelineStrategy(tensor_parallel_size=t)`` sets ``PipelineConfig.tensor_parallel_size`` (see [Note: PP x TP] in
-``zlightning.pipe``). TP peers hold one model replica, so the sampler shards by the data-parallel rank only, and
-``reduce`` (``self.log(..., sync_dist=True)``) and the LightningModule's torchmetrics metrics sync over the
-data-parallel group of this (stage, TP index) (``data_parallel_group``): a world-wide sum would count each replica
-``pp * t`` times. Every rank logs the same batch loss, so a mean over that group is the global mean.
+``zlightning.pipe``). The stages and TP peers of one pipeline hold one model replica and read the same batches, so
+the sampler shards by the data-parallel rank only, and ``reduce`` (``self.log(..., sync_dist=True)``) and the
+LightningModule's torchmetrics metrics sync over the data-parallel group of this (stage, TP index)
+(``data_parallel_group``), with or without TP: a world-wide sum would count each replica ``pp * t`` times. Every rank
+logs the same batch loss, so a mean over that group is the global mean.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Generator
 from datetime import timedelta
@@ -234,11 +236,9 @@ class PipelineStrategy(LaunchedParallelStrategy):
 
     @property
     def data_parallel_group(self) -> torch.distributed.ProcessGroup | None:
-        """The data-parallel group of this rank's (stage, TP index) under ``tensor_parallel_size > 1`` (None
-        otherwise: the world). Pass it as ``process_group=`` to torchmetrics metrics created outside the
+        """The data-parallel group of this rank's (stage, TP index): the ranks that read other batches (None in a
+        one-process run). Pass it as ``process_group=`` to torchmetrics metrics created outside the
         LightningModule's ``__init__``."""
-        if self.config.tensor_parallel_size == 1:
-            return None
         if self.engine is None:
             raise RuntimeError("zstack_pipeline: data_parallel_group is read before setup built the engine")
         return self.engine.groups.data
@@ -289,7 +289,7 @@ class PipelineStrategy(LaunchedParallelStrategy):
             if getattr(self.precision_plugin, "precision", None) == "16-mixed" and config.loss_scaler is None:
                 config = dataclasses.replace(config, loss_scaler=LossScalerConfig())
             self.engine = PipelineEngine(pipe, None, config, num_stages=self.grid().pp, device=self.root_device)
-            if config.tensor_parallel_size > 1:
+            if self.engine.groups.data is not None:  # see [Note: PP x TP in Lightning]
                 metrics_to_group(self.lightning_module, self.engine.groups.data)
         pipe.set_driver(self.engine)  # (again, after a teardown: fit then predict with one Trainer)
         self.engine.loss_scale_factor = 1.0 / max(1, trainer.accumulate_grad_batches)
@@ -300,6 +300,7 @@ class PipelineStrategy(LaunchedParallelStrategy):
             raise AssertionError(f"unexpected precision plugin {type(plugin).__name__}")
         plugin.engine = self.engine
         if trainer.state.fn == TrainerFn.FITTING:
+            pipe.check_stage_has_parameters(self.engine.grid.stage)
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
@@ -337,10 +338,10 @@ class PipelineStrategy(LaunchedParallelStrategy):
     # ---------------------------------------------------------------- collectives
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """``self.log(sync_dist=True)``: over ``data_parallel_group`` under TP (the world otherwise)."""
+        """``self.log(sync_dist=True)``: over ``data_parallel_group`` (see [Note: PP x TP in Lightning])."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        if group is None and self.config.tensor_parallel_size > 1 and self.engine is not None:
+        if group is None and self.engine is not None and self.engine.groups.data is not None:
             group = self.engine.groups.data
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
@@ -379,6 +380,8 @@ class PipelineStrategy(LaunchedParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not os.path.exists(checkpoint_path):
+            raise FileNotFoundError(f"zstack_pipeline: checkpoint {checkpoint_path} does not exist")
         if self.engine is None or not is_pipeline_checkpoint(checkpoint_path):
             raise ValueError(
                 f"zstack_pipeline resumes only from its own checkpoint directories; {checkpoint_path} is not one"

@@ -182,10 +182,29 @@ def split_microbatches(obj: Any, n: int, what: str = "batch") -> list[Any]:
             size = "a scalar" if t.dim() == 0 else f"dim 0 of size {t.shape[0]}"
             raise ValueError(
                 f"cannot split {what} tensor #{i} (shape {list(t.shape)}, {size}) into micro_batches={n} equal parts; "
-                f"make the batch size a multiple of {n}"
+                f"make the batch size a multiple of {n} (if it is one, this is the loader's last, partial batch: "
+                "pass drop_last=True to the DataLoader)"
             )
     pieces = [t.chunk(n) for t in tensors]
     return [unflatten([p[m] for p in pieces], skeleton) for m in range(n)]
+
+
+def eval_micro_batches(obj: Any, n: int) -> int:
+    """How many micro-batches an evaluation of ``obj`` runs in: the largest count up to ``n`` that divides the
+    batch size.
+
+    [Note: evaluation batches of any size]
+    Training needs every batch to split into ``micro_batches`` equal parts (the schedule and the loss scaling are
+    built for them), but validation, test and predict batches come in whatever size the data has: the last batch
+    of a loader, a single sample to predict. Evaluation has no gradient to scale and its schedule is built per
+    count, so it runs such a batch in fewer equal micro-batches, which keeps the mean of the micro-batch losses
+    equal to the batch's mean loss. Every stage sees the same batch, so every stage picks the same count.
+    """
+    tensors = [t for t in flatten(obj)[0] if t.dim() > 0]
+    if not tensors:
+        return n
+    size = tensors[0].shape[0]
+    return next((d for d in range(min(n, size), 0, -1) if size % d == 0), n)
 
 
 def _unpack(batch: Any) -> tuple[Any, Any]:
@@ -288,6 +307,8 @@ class PipelineEngine:
                 self.device,
                 split_backward=config.schedule in ("zb_h1", "zbv"),
             )
+        if is_factory:
+            module.check_stage_has_parameters(self.grid.stage)
         self.optimizer: torch.optim.Optimizer | None = (
             optimizer(module.parameters()) if is_factory else optimizer  # type: ignore[operator,assignment,misc]
         )
@@ -493,7 +514,7 @@ class PipelineEngine:
         """``PipelineModule.batch_loss``: training schedule when grad mode is on and the module trains, else eval."""
         if torch.is_grad_enabled() and self.module.training:
             return self.forward_backward(batch)
-        return self.eval_batch(batch=batch)
+        return self.eval_batch(batch=batch)  # any batch size: see [Note: evaluation batches of any size]
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator ``train_batch()`` pulls ``(inputs, labels)`` items from when called without one
@@ -560,7 +581,8 @@ class PipelineEngine:
         and meanings).
 
         Pulls ``num_micro_batches`` (default ``micro_batches``) items ``(inputs, labels)`` from ``data_iter`` (or
-        splits ``batch=(inputs, labels)`` into that many). The last stage computes, per micro-batch, the loss
+        splits ``batch=(inputs, labels)`` into that many; by default into the largest count up to ``micro_batches``
+        that divides its size, see [Note: evaluation batches of any size]). The last stage computes, per micro-batch, the loss
         (``compute_loss=True``) or keeps the model's outputs (``compute_loss=False``). ``reduce_output="avg"``
         averages them over the micro-batches and then over the data-parallel replicas; ``None`` keeps the list of
         per-micro-batch values (not reduced over replicas). With ``compute_loss`` and ``bcast_loss`` the result is
@@ -579,6 +601,8 @@ class PipelineEngine:
         if reduce_output is not None and reduce_output != "avg":
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): supported reductions are 'avg' and None")
         m = self.config.micro_batches if num_micro_batches is None else num_micro_batches
+        if num_micro_batches is None and batch is not None:
+            m = eval_micro_batches(batch, m)
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"eval_batch(num_micro_batches={num_micro_batches!r}) must be None or an int >= 1")
         was_training = self.module.training
@@ -621,13 +645,18 @@ class PipelineEngine:
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """Outputs of the model for ``inputs`` (split into micro-batches), returned on every rank of the pipe group."""
+        """Outputs of the model for ``inputs`` (split into up to ``micro_batches`` equal micro-batches, any batch
+        size: see [Note: evaluation batches of any size]), returned on every rank of the pipe group.
+
+        A collective of the pipe group: every stage of the pipeline must call it with the same inputs (as with
+        ``batch_loss``); a call on one rank only waits for stages that never run it, until the transfer timeout.
+        """
         was_training = self.module.training
         self.module.eval()
         try:
-            m = self.config.micro_batches
+            m = eval_micro_batches(inputs, self.config.micro_batches)
             run = self._run(
-                self.eval_schedule, split_microbatches(inputs, m, "input"), [None] * m, keep=True, with_loss=False
+                self._eval_schedule(m), split_microbatches(inputs, m, "input"), [None] * m, keep=True, with_loss=False
             )
         finally:
             self.module.train(was_training)
@@ -646,7 +675,10 @@ class PipelineEngine:
     def reduce_gradients(self) -> None:
         """Sums tied gradients over their owning stages, then averages all gradients over data-parallel replicas."""
         for key, group in self.groups.tied.items():
-            allreduce_sum(self._grads(self.module.tied_parameters(key)), group)
+            params = self.module.tied_parameters(key)
+            if group is not None:
+                _zero_fill_shared_grads(params, group, self.device)
+            allreduce_sum(self._grads(params), group)
         if self.zero is None:  # ZeRO-2/3: the reduce-scatter averaged over the replicas already
             allreduce_mean(self._grads(self.module.parameters()), self.groups.data, self.grid.dp)
 
@@ -781,6 +813,17 @@ def _average(values: list[Any], group: dist.ProcessGroup | None, dp: int) -> Any
 def _to(obj: Any, device: torch.device | str) -> Any:
     tensors, skeleton = flatten(obj)
     return unflatten([t.to(device) for t in tensors], skeleton) if tensors else obj
+
+
+def _zero_fill_shared_grads(params: list[nn.Parameter], group: dist.ProcessGroup, device: torch.device) -> None:
+    """Gives a zero ``.grad`` to each parameter that has none here but a gradient on another rank of ``group``, so
+    every rank all-reduces the same list (a tied module's position embedding unused by the head's ``forward_fn``,
+    see [Note: a tied module is one module]); a parameter no rank has a gradient for keeps ``None``."""
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    for p, anywhere in zip(params, has.tolist()):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def _concat(parts: list[Any]) -> Any:

@@ -304,6 +304,22 @@ class PipelineModule(nn.Module):
             raise RuntimeError("PipelineModule is not built yet")
         return range(self.bounds[stage], self.bounds[stage + 1])
 
+    def check_stage_has_parameters(self, rank: int) -> None:
+        """Raises a clear error if this rank's stages hold no parameter (an optimizer over them cannot be built:
+        torch raises "optimizer got an empty parameter list")."""
+        if self.bounds is None or next(iter(self.parameters()), None) is not None:
+            return
+        layers = [i for s in self.local_stages for i in self.stage_layers(s)]
+        names = ", ".join(f"{i}: {_layer_name(self.specs[i])}" for i in layers[:6]) + (
+            ", ..." if len(layers) > 6 else ""
+        )
+        raise ValueError(
+            f"PipelineModule: stage(s) {list(self.local_stages)} on pipeline rank {rank} hold no parameter "
+            f"(layers {names}), so no optimizer can be built there. Give every stage a layer with parameters: "
+            "partition_method='parameters' (the default, balances parameters), a 'type:REGEX' partition, or fewer "
+            "stages (num_stages)"
+        )
+
     def local_layer(self, idx: int) -> nn.Module | None:
         """Layer ``idx`` if this rank built it as its own module (not a tied layer, not a plain callable), else None."""
         module = self._modules.get(str(idx))
@@ -321,10 +337,20 @@ class PipelineModule(nn.Module):
         self._funcs[idx] = new
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
-        """The shared parameters of tie group ``key`` on this rank (``tied_weight_attr`` of its specs)."""
+        """The parameters of tie group ``key``'s module on this rank: every one of them, ``tied_weight_attr`` first.
+
+        [Note: a tied module is one module]
+        DeepSpeed keeps only ``tied_weight_attr`` in step across the owning stages; any other parameter of the module
+        (a Linear's bias, an embedding block's norm) trains separately on each stage, silently, under one name.
+        Here the module is one module, as in a single process: all its parameters start equal on the owning stages
+        and their gradients are summed there, so the copies stay identical and the checkpoint (one entry per name,
+        written by the lowest owning stage) holds the model's only value. ``tied_weight_attr`` is still checked.
+        """
         spec = next(x for x in self.specs if isinstance(x, TiedLayerSpec) and x.key == key)
         module = self.tied_modules[key]
-        return [module.get_parameter(name) for name in spec.tied_weight_attr]
+        named = [module.get_parameter(name) for name in spec.tied_weight_attr]
+        seen = {id(p) for p in named}
+        return named + [p for p in module.parameters() if id(p) not in seen]
 
     # ------------------------------------------------------------------------------------------ running
     def _checkpointable(self, indices: Sequence[int]) -> bool:

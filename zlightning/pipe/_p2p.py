@@ -273,7 +273,13 @@ class P2P:
         watchdog (``zlightning/_watchdog.py``): after ``ZLIGHTNING_WATCHDOG_TIMEOUT_S`` seconds the stage raises
         `TransferTimeoutError` naming the peer stage and rank, the action (RECV_F/RECV_B/SEND), the micro-batch,
         and where the peer's main thread is; a peer that died is named with how it ended (`PeerFailureError`)."""
-        wait_for(work, what=what, sliced=False, hang_error=TransferTimeoutError, point_to_point=self.can_post_ahead)
+        try:
+            wait_for(work, what=what, sliced=False, hang_error=TransferTimeoutError, point_to_point=self.can_post_ahead)
+        except TransferTimeoutError as err:
+            raise TransferTimeoutError(
+                f"{err}. Every stage of a pipeline runs the same calls in the same order: call batch_loss, predict "
+                "and eval_batch on every rank (not under `if rank == 0`)"
+            ) from None
 
     def _send_buffer(self, size: int) -> torch.Tensor:
         """[Note: reused send buffers]

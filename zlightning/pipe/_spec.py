@@ -44,15 +44,17 @@ class TiedLayerSpec(LayerSpec):
     """A layer shared by every spec with the same ``key`` (e.g. a GPT's embedding reused as its output head).
 
     Each stage that holds one of the positions builds the module once; the owning stages start from the same weights
-    (broadcast from the lowest owning stage) and their gradients of ``tied_weight_attr`` are all-reduced before the
-    optimizer step, so the copies stay identical.
+    (broadcast from the lowest owning stage) and the gradients of all the module's parameters are summed over them
+    before the optimizer step, so the copies stay identical (DeepSpeed ties ``tied_weight_attr`` only; see [Note: a
+    tied module is one module] in ``_module.py``).
 
     Args:
         key: identifies the tie group.
         typename, module_args, module_kwargs: as ``LayerSpec``.
         forward_fn: ``forward_fn(module, inputs)`` to run this position differently (e.g. the head multiplies by
             ``module.weight``); default: ``module(inputs)``.
-        tied_weight_attr: names (dotted paths allowed) of the parameters shared across stages.
+        tied_weight_attr: names (dotted paths allowed) of the parameters the positions share (DeepSpeed's
+            argument; checked to exist). The module's other parameters are kept identical across stages too.
     """
 
     def __init__(
