@@ -135,7 +135,7 @@ def _reference() -> dict[str, Any]:
     losses = []
     for x, y in DataLoader(train, batch_size=BATCH):
         loss = pipe.compute_loss(pipe(x), y)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.zero_grad()
         loss.backward()
         opt.step()
