@@ -9,6 +9,8 @@ attention, MLP and norm is left as it is, and nothing is said about fusing them.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zlightning.inject._classify import HEAD_ATTRS, classify_linears, validate_tp
+from zlightning.inject._classify import HEAD_ATTRS, classify_linears, shardable_embedding, validate_tp
 from zlightning.inject._layers import (
     ColumnParallelLinear,
     FusedSelfAttention,
@@ -24,6 +26,7 @@ from zlightning.inject._layers import (
     RowParallelLinear,
     ShardMemo,
     probe_equal,
+    probe_equal_training,
 )
 from zlightning.inject._mlp import FusedMLP, fused_mlp_for
 from zlightning.inject._norms import fused_norm_for, norm_candidates
@@ -193,9 +196,39 @@ def _attention_parts(module: nn.Module) -> tuple[tuple[str, ...], str, int] | No
     return None if qkv is None else (qkv, out, heads)
 
 
+def _check_unrecognised_attention(name: str, module: nn.Module, styles: dict[str, LinearStyle]) -> None:
+    """Refuses to shard an attention module (it has a head-count attribute) whose projections were not recognised.
+
+    Its own forward would split the sharded width into the full head count (``x.view(B, T, self.heads, -1)``)
+    and compute wrong attention without any error, so only a module rebuilt on `FusedSelfAttention` (whose heads
+    are split with the projections) may be sharded automatically; a module that reads its head count from the
+    tensor width cannot be told apart, so the user's plan decides (``styles`` holds the automatic styles only).
+    A module holding attention modules (a block with a head count) is a container, not attention.
+    """
+    if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS):
+        return
+    for sub in module.modules():
+        if sub is not module and (
+            _attention_parts(sub) is not None or any(isinstance(getattr(sub, a, None), int) for a in HEAD_ATTRS)
+        ):
+            return
+    prefix = f"{name}." if name else ""
+    sharded = [n for n, s in styles.items() if n.startswith(prefix) and s is not LinearStyle.REPLICATE]
+    if sharded:
+        raise InjectError(
+            f"{name} ({type(module).__name__}) has attention heads but its query/key/value and output projections "
+            f"are not recognised, so splitting its heads over {sharded[:3]} cannot be checked; plan them as "
+            f"'replicate' (plan={{r'{re.escape(prefix)}.*': 'replicate'}}), or as 'column'/'row' explicitly if its "
+            "forward reads the head count from the tensor width"
+        )
+
+
 def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: InjectPolicy, required: bool) -> None:
     for name, module in list(model.named_modules()):
         parts = _attention_parts(module)
+        if parts is None and required and not isinstance(module, FusedSelfAttention):
+            automatic = {n: s for n, s in styles.items() if not any(re.fullmatch(p, n) for p in policy.plan)}
+            _check_unrecognised_attention(name, module, automatic)
         if parts is None or isinstance(module, FusedSelfAttention) or module is model:  # the root cannot be swapped
             continue
         qkv, out, heads = parts
@@ -213,7 +246,14 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
         weight = children[out].weight
         example = _probe_input(width, weight.dtype, weight.device)
         replacement = None
-        for causal in [policy.causal] if policy.causal is not None else [True, False]:
+        # a local (sliding-window) attention equals full causal attention on any probe shorter than its window:
+        # never rebuilt on SDPA's full attention
+        # and one taking more than its input (a padding mask, position ids) would reject its callers' arguments
+        windowed = _window(module)
+        kept_because = f"sliding window {windowed!r}" if windowed else None
+        if kept_because is None and not _takes_one_input(module):
+            kept_because = "its forward takes more than one input"
+        for causal in [] if kept_because else [policy.causal] if policy.causal is not None else [True, False]:
             cand = FusedSelfAttention(
                 qkv_names=qkv,
                 out_name=out,
@@ -223,7 +263,11 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
                 attn_dropout=p,
                 resid_drop=drop,
             )
-            if probe_equal(module, cand, example, policy.probe_atol):
+            # in training mode too, unless the candidate's attention dropout runs inside SDPA (its own random
+            # stream: statistically the module's dropout, never the same masks); see [Note: probing in training mode]
+            if probe_equal(module, cand, example, policy.probe_atol) and (
+                p > 0.0 or probe_equal_training(module, cand, example, policy.probe_atol)
+            ):
                 replacement = cand
                 break
         sharded = any(styles.get(f"{name}.{n}") not in (None, LinearStyle.REPLICATE) for n in (*qkv, out))
@@ -231,15 +275,37 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
             continue  # See [Note: tensor parallelism alone is silent about kernels].
         if replacement is None:
             if required and sharded:
+                why = kept_because or "outputs differ on a probe, in eval or in training mode"
                 raise InjectError(
                     f"{name} ({type(module).__name__}): attention could not be rebuilt on "
-                    "F.scaled_dot_product_attention (outputs differ on a probe), so its heads cannot be "
-                    "split; plan its projections as 'replicate' or set InjectPolicy.causal"
+                    f"F.scaled_dot_product_attention ({why}), so its heads cannot be split; plan its projections "
+                    rf"as 'replicate' (plan={{r'{re.escape(name)}\..*': 'replicate'}})"
+                    + ("" if kept_because else ", or set InjectPolicy.causal if only causality was misread")
                 )
             if policy.inject_kernels:
-                warnings.warn(f"module_inject: {name} kept as is (fused attention differs on the probe)", stacklevel=3)
+                why = kept_because or "fused attention differs on the probe"
+                warnings.warn(f"module_inject: {name} kept as is ({why})", stacklevel=3)
             continue
         _set_submodule(model, name, replacement)
+
+
+def _takes_one_input(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes a single argument (what `FusedSelfAttention` accepts)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
+def _window(module: nn.Module) -> str | None:
+    """The name of a sliding-window setting of an attention module (its own attribute or its ``config``'s), if
+    one is set."""
+    for owner in (module, getattr(module, "config", None)):
+        for attr, value in vars(owner).items() if owner is not None else ():
+            if "window" in attr.lower() and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return attr
+    return None
 
 
 def _inject_mlps(model: nn.Module, policy: InjectPolicy) -> None:
@@ -289,16 +355,21 @@ def _shard_model(model: nn.Module, styles: dict[str, LinearStyle], group: dist.P
         if isinstance(m, nn.Linear)
         and styles.get(n) in (LinearStyle.COLUMN, LinearStyle.HEAD, LinearStyle.QKV, LinearStyle.ROW)
     }
+    tp = dist.get_world_size(group)
     for name, module in modules.items():
         if isinstance(module, nn.Embedding):
             if id(module.weight) in tied:
                 raise InjectError(
                     f"{name} shares its weight with {tied[id(module.weight)]}, which is planned "
-                    f"{styles[tied[id(module.weight)]].value}; plan that layer 'tied_head'"
+                    f"{styles[tied[id(module.weight)]].value}; plan that layer "
+                    + (
+                        "'tied_head'"
+                        if shardable_embedding(module, tp)
+                        else "'replicate' (this embedding is not sliced)"
+                    )
                 )
-            if module.max_norm is not None or module.sparse:
-                raise InjectError(f"{name}: embeddings with max_norm/sparse cannot be sharded; disable them")
-            _set_submodule(model, name, HiddenParallelEmbedding(module, group, memo))
+            if shardable_embedding(module, tp):  # else replicated: see [Note: embeddings that stay replicated]
+                _set_submodule(model, name, HiddenParallelEmbedding(module, group, memo))
     for name, style in styles.items():
         linear = modules[name]
         if not isinstance(linear, nn.Linear):

@@ -22,9 +22,10 @@ from torch import nn
 from zlightning.inject._norms import hidden_sizes, is_norm
 from zlightning.inject._policy import InjectError, InjectPolicy, LinearStyle
 
-__all__ = ["HEAD_ATTRS", "classify_linears", "validate_tp"]
+__all__ = ["HEAD_ATTRS", "classify_linears", "shardable_embedding", "validate_tp"]
 
-HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
+HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads", "heads", "nhead")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 _ROW_NAMES = {"proj", "o_proj", "out_proj", "down_proj", "c_proj", "dense_4h_to_h", "fc2", "w2", "wo", "out"}
 _COL_NAMES = {
     "q_proj",
@@ -47,6 +48,25 @@ _COL_NAMES = {
 }
 _QKV_NAMES = {"qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "query_key_value"}
 _HEAD_NAMES = {"lm_head", "head", "embed_out", "output"}
+
+
+def shardable_embedding(module: nn.Module, tp: int) -> bool:
+    """Whether TP slices this embedding on its hidden dimension (`HiddenParallelEmbedding`).
+
+    [Note: embeddings that stay replicated]
+    Only a plain lookup is sliced: an ``nn.Embedding`` subclass with its own ``forward`` (a scaled embedding, a
+    learned positional embedding taking ``position_ids``) would lose that forward, and an embedding whose width does
+    not divide by ``tp`` (a small auxiliary table) or that uses ``max_norm``/``sparse`` cannot be sliced. Those stay
+    replicated (correct: every TP rank computes the same lookup and receives the same gradient), and a Linear tied to
+    such an embedding's weight stays replicated with it, so the tie holds.
+    """
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and module.embedding_dim % tp == 0
+        and module.max_norm is None
+        and not module.sparse
+    )
 
 
 def _blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -96,7 +116,11 @@ def classify_linears(model: nn.Module, policy: InjectPolicy) -> dict[str, Linear
     Raises:
         InjectError: a plan pattern matches no Linear, or names a module that is not an ``nn.Linear``.
     """
-    embed_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tp = policy.tp_size
+    embed_weights = {id(m.weight) for m in model.modules() if shardable_embedding(m, tp)}
+    replicated_embed_weights = {  # see [Note: embeddings that stay replicated]
+        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and not shardable_embedding(m, tp)
+    }
     auto: dict[str, LinearStyle] = {}
     hidden = hidden_sizes(model)
     for prefix, block in _blocks(model).items():
@@ -120,6 +144,8 @@ def classify_linears(model: nn.Module, policy: InjectPolicy) -> dict[str, Linear
             styles[name] = LinearStyle(policy.plan[hit])
         elif id(module.weight) in embed_weights:
             styles[name] = LinearStyle.TIED_HEAD
+        elif id(module.weight) in replicated_embed_weights:
+            styles[name] = LinearStyle.REPLICATE
         elif name in auto:
             styles[name] = auto[name]
         elif name.rsplit(".", 1)[-1].lower() in _HEAD_NAMES:
@@ -161,11 +187,22 @@ def validate_tp(model: nn.Module, styles: dict[str, LinearStyle], tp: int) -> No
                 f"choose a tp_size dividing it or plan the layer as 'replicate'"
             )
     for name, module in modules.items():
-        if isinstance(module, nn.Embedding) and module.embedding_dim % tp:
-            raise InjectError(f"{name}: embedding_dim={module.embedding_dim} is not divisible by tp_size={tp}")
         heads = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
         if heads is not None and heads % tp:
             raise InjectError(f"{name}: {heads} attention heads are not divisible by tp_size={tp}")
+        projections = [f"{name}.{c}" if name else c for c, m in module.named_children() if isinstance(m, nn.Linear)]
+        if any(styles.get(n, LinearStyle.REPLICATE) is not LinearStyle.REPLICATE for n in projections):
+            # the heads an attention module splits, read where Hugging Face keeps them too (module.config)
+            config = getattr(module, "config", None)
+            for attr in HEAD_ATTRS + KV_HEAD_ATTRS:
+                value = getattr(module, attr, None)
+                value = getattr(config, attr, None) if not isinstance(value, int) else value
+                if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+                    raise InjectError(
+                        f"{name} ({type(module).__name__}): {attr}={value} is not divisible by tp_size={tp}, so its "
+                        "sharded projections would split a head; choose a tp_size dividing it or plan its "
+                        "projections as 'replicate'"
+                    )
     for prefix, _ in _blocks(model).items():
         sharded, last = False, ""
         for name, style in styles.items():

@@ -215,6 +215,37 @@ class FusedNorm(nn.Module):
         return f"kind={self.kind}, shape={self.shape}, eps={self.eps}"
 
 
+def probe_equal_training(original: nn.Module, replacement: nn.Module, example: Tensor, atol: float) -> bool:
+    """Whether two modules agree on ``example`` in training mode under the same random stream.
+
+    [Note: probing in training mode]
+    The eval-mode probe cannot see what a module does only while training: a functional ``F.dropout`` in an MLP's
+    forward, a ``nn.Dropout`` applied to attention probabilities rather than to the output. A replacement that
+    reproduces the module's dropout draws the same masks from the same generator state (its ``nn.Dropout``
+    modules are the original's), so both run from one seed and must agree exactly; a replacement that lost or moved
+    a dropout does not. The generator is forked (the caller's random stream is untouched) and buffers that a
+    training forward updates (batch-norm statistics) are restored afterwards.
+    """
+    modes = [original.training, replacement.training]
+    buffers = {id(b): (b, b.detach().clone()) for m in (original, replacement) for b in m.buffers()}
+    devices = [example.device] if example.device.type == "cuda" else []
+    original.train(), replacement.train()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(4321)
+            a = original(example)
+            torch.manual_seed(4321)
+            b = replacement(example)
+        return isinstance(a, Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=atol, rtol=1e-4)
+    except Exception:  # noqa: BLE001 - a module that cannot run on the probe is simply not replaced
+        return False
+    finally:
+        original.train(modes[0]), replacement.train(modes[1])
+        with torch.no_grad():
+            for buf, saved in buffers.values():
+                buf.copy_(saved)
+
+
 def probe_equal(original: nn.Module, replacement: nn.Module, example: Tensor, atol: float) -> bool:
     """Whether two modules agree on ``example`` (eval mode, no grad); any exception counts as a mismatch."""
     modes: list[Any] = [original.training, replacement.training]

@@ -67,6 +67,8 @@ def norm_candidates(model: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter
         weight, bias = params.get("weight"), params.get("bias")
         if next(module.children(), None) is not None or set(params) - {"weight", "bias"}:
             continue
+        if any(True for _ in module.buffers(recurse=False)):  # FusedNorm would drop them from the state dict
+            continue
         if weight is None or weight.dim() != 1 or weight.shape[0] not in hidden or weight.device.type == "meta":
             continue
         if bias is not None and bias.shape != weight.shape:
