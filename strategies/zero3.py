@@ -261,6 +261,11 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         if self.tensor_parallel_size > 1 and self._tp is None:  # once: the modules stay tensor-parallel afterwards
             if self.model is None:
                 raise AssertionError("setup() before connect()")
+            if self._recording is not None and any(t.is_meta for t in self.model.parameters()):
+                # tensor parallelism slices full weights: a model built in configure_model is materialised whole
+                # first (every rank from rank 0's generator states, so the replicas are identical)
+                self._recording.synchronize(None, 0)
+                self._recording.materialize_module(self.model)
             self._tp = apply_tensor_parallel(self.model, self.tensor_parallel_size)
             metrics_to_group(self.model, self._tp.dp_group)
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -24,6 +24,22 @@ class SGDModule(TinyGPTModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
+class BuiltInConfigureModel(SGDModule):
+    """The same model built in ``configure_model`` (meta device, recorded): tensor parallelism needs it whole."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.model: Any = None
+        self.lr = LR
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from tests._zero_models import tiny_gpt
+
+            self.model = tiny_gpt()
+
+
 def _fit(rank: int, world: int, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
     from zlightning.strategies import ZStackZero3Strategy
 
@@ -31,7 +47,8 @@ def _fit(rank: int, world: int, strategy_kwargs: dict[str, Any]) -> dict[str, An
     from zlightning.inject import tp_full_state
 
     pl.seed_everything(0, verbose=False)
-    module = SGDModule()
+    strategy_kwargs = dict(strategy_kwargs)
+    module = BuiltInConfigureModel() if strategy_kwargs.pop("configure_model", False) else SGDModule()
     strategy = ZStackZero3Strategy(**strategy_kwargs)
     graphs: list[int] = []
 
@@ -88,7 +105,13 @@ def _reference(dp: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "dp"), [({"tensor_parallel_size": 2}, 1), ({"compile": True}, 2)], ids=["tp2", "compile"]
+    ("kwargs", "dp"),
+    [
+        ({"tensor_parallel_size": 2}, 1),
+        ({"tensor_parallel_size": 2, "configure_model": True}, 1),
+        ({"compile": True}, 2),
+    ],
+    ids=["tp2", "tp2_configure_model", "compile"],
 )
 def test_tp_and_compile_match_single_process(kwargs: dict[str, Any], dp: int) -> None:
     out = run_distributed(_fit, WORLD, kwargs, init_process_group=False, timeout=400)

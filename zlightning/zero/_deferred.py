@@ -277,6 +277,33 @@ class InitRecording:
             if op.rng is not None:
                 op.rng = (op.rng[0], next(chosen))
 
+    def materialize_module(self, module: torch.nn.Module) -> int:
+        """Replaces, in place, every meta parameter and buffer of ``module`` that this recording built with its real
+        value (a parameter shared by several modules stays one parameter). For what must see the whole unsharded
+        model before ZeRO shards it (tensor parallelism slices full weights): it holds the full model in memory.
+
+        Returns:
+            How many tensors were materialised (meta tensors built outside the recording stay on meta).
+        """
+        done: dict[int, torch.Tensor] = {}
+        for mod in module.modules():
+            for table in (mod._parameters, mod._buffers):
+                for name, t in list(table.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in done:
+                        value = self.materialize(t)
+                        if value is None:
+                            continue
+                        value = value.clone()
+                        done[id(t)] = (
+                            torch.nn.Parameter(value, requires_grad=t.requires_grad)
+                            if isinstance(t, torch.nn.Parameter)
+                            else value
+                        )
+                    table[name] = done[id(t)]  # type: ignore[assignment]
+        return len(done)
+
     def discard(self) -> None:
         """Drops the log (and the meta tensors and constants it keeps alive)."""
         self.ops, self._writers, self._created = [], {}, {}
