@@ -6,6 +6,8 @@
   norm holding a buffer;
 * tensor parallelism on 2 gloo ranks equals one process with a scaled embedding (an ``nn.Embedding`` subclass with
   its own forward) tied to the head, a small auxiliary embedding, and attention whose head count is ``self.heads``;
+  and on ``nn.TransformerEncoder`` (attention replicated, MLPs split), in inference under ``no_grad`` too (PyTorch's
+  fast path); a model with nothing to split says so;
 * attention that cannot be split safely is refused with an error naming the module and the plan that works: heads
   under an unrecognised layout, and key/value heads (read from the module's ``config`` as Hugging Face keeps them)
   that the TP size does not divide.
@@ -202,10 +204,29 @@ def _tp_rank(rank: int, world: int) -> bool:
             torch.testing.assert_close(g["params"][n], w["params"][n], rtol=1e-5, atol=1e-6, msg=f"{step} {n}")
     exported = LM()
     exported.load_state_dict(tp_full_state(tp))
+
+    # nn.TransformerEncoder: attention (in_proj_weight) replicated, MLP split; inference under no_grad (PyTorch's
+    # fast path reads the Linear weights directly) and training equal one process
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, 4, 2 * D, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    sharded = copy.deepcopy(encoder)
+    module_inject(sharded, InjectPolicy(tp_size=2), tp_group=build_tp_groups(2).tp_group)
+    x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(2))
+    encoder.eval(), sharded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(x), encoder(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sharded(x), encoder(x), rtol=1e-5, atol=1e-5)
+    assert sum(p.numel() for p in sharded.parameters()) < sum(p.numel() for p in encoder.parameters())
+
+    # nothing to split (no blocks in an nn.ModuleList, no head): said, not silent
+    flat = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+    with pytest.warns(UserWarning, match="splits no Linear of Sequential"):
+        module_inject(flat, InjectPolicy(tp_size=2), tp_group=build_tp_groups(2).tp_group)
     return True
 
 
-def test_tp2_with_a_scaled_tied_embedding_an_auxiliary_table_and_heads_attribute_matches_one_process() -> None:
+def test_tp2_on_user_models_matches_one_process() -> None:
     assert run_distributed(_tp_rank, 2, timeout=240) == [True, True]
 
 

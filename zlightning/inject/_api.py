@@ -126,6 +126,14 @@ def module_inject(
         _inject_mlps(model, policy)
     if policy.inject_kernels:
         _inject_norms(model, policy)
+    if tp > 1 and not any(s not in (LinearStyle.REPLICATE,) for s in styles.values()):
+        warnings.warn(
+            f"module_inject: tensor parallelism splits no Linear of {type(model).__name__}: every parameter stays "
+            "replicated on the TP ranks. Automatic planning looks for nn.Linear layers inside the children of an "
+            "nn.ModuleList (blocks) and for lm_head/head/output; layers of other types (GPT-2's Conv1D) are not "
+            "split. Plan Linears with InjectPolicy(plan=...)",
+            stacklevel=2,
+        )
     if tp > 1 and tp_group is not None:
         _shard_model(model, styles, tp_group)
         if policy.check_inputs:
@@ -383,6 +391,13 @@ def _shard_model(model: nn.Module, styles: dict[str, LinearStyle], group: dist.P
         }.get(style, lambda: None)()
         if new is not None:
             _set_submodule(model, name, new)
+    for module in model.modules():
+        # nn.TransformerEncoderLayer's inference fast path reads linear1/linear2 weights directly (the shards,
+        # without the collectives): this flag is one of its conditions, so the layer keeps its regular forward
+        if hasattr(module, "activation_relu_or_gelu") and any(
+            isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in module.modules()
+        ):
+            setattr(module, "activation_relu_or_gelu", False)  # noqa: B010 (a plain attribute, not a submodule)
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -87,6 +87,11 @@ def _block_styles(prefix: str, block: nn.Module, hidden: set[int]) -> dict[str, 
         name, linear = markers[i]
         leaf = name.rsplit(".", 1)[-1].lower()
         parent = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+        if isinstance(parent, nn.MultiheadAttention):
+            # its Q/K/V come from in_proj_weight, a Parameter TP does not split: the output projection has no
+            # sharded input to reduce, so the attention stays replicated (the block's MLP is still split)
+            styles[f"{prefix}.{name}"] = LinearStyle.REPLICATE
+            continue
         if leaf in _ROW_NAMES:
             style = LinearStyle.ROW
         elif leaf in _COL_NAMES:
@@ -211,7 +216,8 @@ def validate_tp(model: nn.Module, styles: dict[str, LinearStyle], tp: int) -> No
             if style is LinearStyle.ROW and not sharded:
                 raise InjectError(
                     f"{name} is planned row-parallel but no column-parallel layer precedes it in block "
-                    f"{prefix}, so its input is not sharded; plan the producer as 'column'"
+                    f"{prefix}, so its input is not sharded; plan the Linear producing its input as 'column', or "
+                    f"plan {name} as 'replicate' when its input comes from elsewhere (a Parameter, another block)"
                 )
             sharded = style in (LinearStyle.COLUMN, LinearStyle.QKV) or (sharded and style is not LinearStyle.ROW)
             last = name
