@@ -365,3 +365,26 @@ def test_rewind_undoes_prefetched_draws_and_clusters(tmp_path: Path, values: np.
     s.rewind(5)
     assert len(s.data_clusters) == n_clusters and s.micro_batches == 5 and s.curriculum_step == 2
     assert [mb for mb, _, _ in _run(s, 35)] == ref[5:]
+
+
+def test_an_epoch_stopped_after_len_batches_is_followed_by_the_next_one(tmp_path: Path) -> None:
+    """Lightning stops after len() micro-batches and never asks for one more, so the generator never finishes: the
+    next iteration must still be the next epoch (it yielded nothing, every second epoch)."""
+    plain = {"data_efficiency": {"seed": 5}}
+    for n, b in ((40, 4), (22, 4)):  # an exact and a ragged end (drop_last drops the ragged rest)
+        s = _sampler(plain, n=n, b=b, A=1)
+        epochs = [list(itertools.islice(iter(s), len(s))) for _ in range(3)]
+        assert [len(e) for e in epochs] == [n // b] * 3
+        assert epochs[0] != epochs[1] != epochs[2]
+        ref = _sampler(plain, n=n, b=b, A=1)
+        assert epochs == [list(ref) for _ in range(3)]  # the same epochs as iterations run to their end
+
+
+def test_a_partial_micro_batch_smaller_than_the_ranks_gives_every_rank_a_sample() -> None:
+    plain = {"data_efficiency": {"seed": 5}}
+    per_rank = [list(_sampler(plain, n=9, b=2, D=2, r=r, A=1, drop_last=False)) for r in range(2)]
+    assert [len(mbs) for mbs in per_rank] == [3, 3]
+    assert all(len(mb) >= 1 for mbs in per_rank for mb in mbs)
+    last = per_rank[0][-1] + per_rank[1][-1]
+    first_two = {i for mbs in per_rank for mb in mbs[:2] for i in mb}
+    assert set(last) | first_two == set(range(9)) and len(set(last)) == 1  # the last sample, repeated

@@ -85,3 +85,38 @@ def test_zigzag_shard_rejects_indivisible_lengths_and_bad_ranks() -> None:
         zigzag_shard({"t": torch.arange(6)}, 2, 0)
     with pytest.raises(ValueError, match="cp_rank=2 is outside a block of cp_size=2"):
         zigzag_shard({"t": torch.arange(8)}, 2, 2)
+
+
+def _packed(lengths: list[int]) -> dict[str, torch.Tensor]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return {"tokens": torch.arange(cu[-1]), "cu_seqlens": torch.tensor(cu)}
+
+
+def _alone(rank: int, world: int, case: str) -> str:
+    from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPDataLoaderWrapper
+
+    if case == "uneven":  # rank 0's loader holds one batch, rank 1's two
+        batches = [[_packed([4, 5])]] * (1 if rank == 0 else 2)
+    else:  # rank 0's batch is malformed (cu_seqlens ends past its 9 tokens)
+        bad = _packed([4, 5])
+        if rank == 0:
+            bad["cu_seqlens"] = torch.tensor([0, 4, 12])
+        batches = [[bad]]
+    try:
+        return f"{sum(1 for _ in HybridCPDataLoaderWrapper(batches, HybridCPConfig(max_seqlen_per_rank=16)))} batches"
+    except (RuntimeError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+@pytest.mark.parametrize("case", ["uneven", "malformed"])
+def test_a_rank_that_runs_out_or_fails_alone_stops_every_rank_with_the_reason(case: str) -> None:
+    from zlightning.testing import run_distributed
+
+    out = run_distributed(_alone, 2, case, timeout=60)  # a hang would time out here
+    if case == "uneven":
+        assert all("group rank(s) [0] ran out while the other ranks still had batches" in o for o in out), out
+    else:
+        assert out[0].startswith("ValueError: unpack_packed_batch"), out
+        assert out[1].startswith("RuntimeError: HybridCPDataLoaderWrapper: a malformed batch on group rank(s) [0]")

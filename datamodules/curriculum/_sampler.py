@@ -423,6 +423,12 @@ class DeepSpeedDataSampler:
 
     def _iter_epoch(self) -> Iterator[list[int]]:
         n, m = self.one_epoch_total_samples, self.micro_batch_times_data_parallel_size
+        left = n - self.epoch_position
+        if self.epoch_position > 0 and (left <= 0 or (self.drop_last and left < m)):
+            # the last epoch was drawn to its end by a consumer that stopped after len() micro-batches (Lightning
+            # never asks for one more, which is what would move the epoch on): this iteration is the next epoch
+            self.epoch += 1
+            self.epoch_position = 0
         perm = np.random.default_rng([self.config.seed, self.epoch]).permutation(n)
         while self.epoch_position < n:
             take = min(m, n - self.epoch_position)
@@ -438,6 +444,12 @@ class DeepSpeedDataSampler:
         self.consumed_samples += int(cur.size)
         self.micro_batches += 1
         self._history.append(self._mark())
+        ranks = self.data_parallel_size if self.data_parallel_group is None else self.data_parallel_group.size()
+        if 0 < cur.size < ranks:
+            # a last partial micro-batch with fewer samples than ranks (drop_last=False) would leave some rank an
+            # empty batch (a collate error, a rank out of step with the others): its samples are repeated so every
+            # rank gets one, as torch's DistributedSampler pads; consumed_samples counts the real ones
+            cur = np.resize(cur, ranks)
         start, end = self.get_start_end_idx(int(cur.size))
         return cur[start:end].tolist()
 

@@ -413,7 +413,7 @@ class HybridCPDataLoaderWrapper:
             return None, None
         if self._iterator is None:
             self._iterator = iter(self.data_iterator)
-        batch = self.unpack_batch(next(self._iterator))  # step 1 (and 4: checks the batch before any collective)
+        batch = self._next_on_every_rank()  # step 1 (and 4: checks the batch before any collective)
         subsample_seqlens = torch.tensor([_sub_sample_length(s) for s in batch], dtype=torch.int32)
         seqlens_gathered, offsets = self.get_global_seqlens(subsample_seqlens)  # step 2
         global_id_seqlens, global_ids_this_rank = self.get_global_id_seqlens(len(batch), offsets, seqlens_gathered)
@@ -423,6 +423,51 @@ class HybridCPDataLoaderWrapper:
         )
         return HybridCPBatch(
             _sub_samples(sample_id_groups, self._layout().rank, samples), sample_id_groups, seqlens_gathered
+        )
+
+    def _next_on_every_rank(self) -> list[dict[str, Tensor]]:
+        """This rank's next batch, unpacked, once every rank of the group has one.
+
+        [Note: ranks that run out or fail alone]
+        A rank whose loader is exhausted, or whose batch is malformed, would otherwise stop (or raise) before the
+        collectives its peers are already waiting in: they would hang until the process group's timeout. So the
+        ranks first exchange one status each: all exhausted ends the iteration everywhere; some exhausted, or a
+        malformed batch anywhere, raises on every rank with what happened and where.
+        """
+        status, error, batch = 0, "", []
+        failure: Exception | None = None
+        try:
+            batch = self.unpack_batch(next(self._iterator))  # type: ignore[arg-type]
+        except StopIteration:
+            status = 1
+        except (ValueError, TypeError) as err:
+            status, error, failure = 2, f"{type(err).__name__}: {err}", err
+        lay = self._layout()
+        if lay.size == 1:
+            if status == 1:
+                raise StopIteration
+            if failure is not None:
+                raise failure
+            return batch
+        statuses = torch.empty(lay.size, dtype=torch.int64, device=lay.device)
+        dist.all_gather_into_tensor(statuses, torch.tensor([status], device=lay.device), group=self._group)
+        seen = statuses.tolist()
+        if max(seen) == 0:
+            return batch
+        if 2 in seen:
+            errors: list[Any] = [None] * lay.size
+            dist.all_gather_object(errors, error, group=self._group)
+            bad = {r: e for r, e in enumerate(errors) if e}
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"HybridCPDataLoaderWrapper: a malformed batch on group rank(s) {sorted(bad)}: {bad}")
+        if min(seen) == 1:
+            raise StopIteration
+        done = [r for r, v in enumerate(seen) if v == 1]
+        raise RuntimeError(
+            f"HybridCPDataLoaderWrapper: the data of group rank(s) {done} ran out while the other ranks still had "
+            "batches; every DP rank must read the same number of batches (a DistributedSampler over the DP ranks "
+            "with drop_last=True, or equally sized shards)"
         )
 
     # ------------------------------------------------------------------------------ Megatron's documented methods
