@@ -202,3 +202,41 @@ def test_example_yaml_trains_through_the_cli(tmp_path: Path, monkeypatch: pytest
     acc.Reload()
     assert [e.value for e in acc.Scalars("curriculum/seqlen_truncate")] == [16.0] * 4  # min_difficulty first
     assert [e.value for e in acc.Scalars("curriculum/consumed_samples")] == [4.0, 8.0, 12.0, 16.0]
+
+
+def test_custom_schedule_through_the_module_and_the_users_batch_hook_still_runs(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    config = _config(root)
+    metric = config["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["m"]
+    metric.update(schedule_type="custom", schedule_config={})
+    steps: list[int] = []
+
+    def difficulty(step: int) -> int:  # 30 for the first 4 optimizer steps, then everything
+        steps.append(step)
+        return 30 if step <= 4 else 100
+
+    class Hooked(Recorder):
+        transfers = 0
+
+        def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            self.transfers += 1
+            return batch
+
+    model = Hooked()
+    dm = CurriculumDataModule(config, dataset=IdDataset(), micro_batch_size=4, custom_schedules={"m": difficulty})
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=dm)
+    vals = _metric_values()
+    assert steps[:5] == [1, 2, 3, 4, 5]  # (not called again once it returned max_difficulty)
+    assert all(vals[ids].max() <= 30 for ids, _ in model.seen[:8])
+    assert any(vals[ids].max() > 30 for ids, _ in model.seen[8:])
+    assert model.transfers == len(model.seen) == 12

@@ -23,10 +23,11 @@ select samples as usual.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -74,6 +75,8 @@ class CurriculumDataModule(LightningDataModule):
         micro_batch_size: Samples per micro-batch per rank; None reads ``base.config.batch_size`` / ``base.batch_size``.
         collate_fn: DataLoader collate function.
         drop_last: Drop a final partial micro-batch.
+        custom_schedules: The functions of metrics with ``schedule_type: custom``, by metric name: each maps the
+            1-based curriculum step to a difficulty (DeepSpeed's ``set_custom_curriculum_learning_schedule``).
 
     Raises:
         ValueError: If neither or both of ``base`` and ``dataset`` are given, or the config is invalid.
@@ -91,6 +94,7 @@ class CurriculumDataModule(LightningDataModule):
         micro_batch_size: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = True,
+        custom_schedules: Mapping[str, Callable[[int], int]] | None = None,
     ) -> None:
         super().__init__()
         if (base is None) == (dataset is None):
@@ -102,6 +106,7 @@ class CurriculumDataModule(LightningDataModule):
         self.base, self.dataset, self.val_dataset = base, dataset, val_dataset
         self._micro_batch_size = micro_batch_size
         self.collate_fn, self.drop_last = collate_fn, drop_last
+        self.custom_schedules = dict(custom_schedules or {})
         self.sampler = None
         self._pending_state: dict[str, Any] | None = None
         self._consumed = 0
@@ -141,6 +146,8 @@ class CurriculumDataModule(LightningDataModule):
             gradient_accumulation_steps=grad_accum,
             drop_last=self.drop_last,
         )
+        if self.custom_schedules:
+            sampler.set_custom_curriculum_learning_schedule(self.custom_schedules)
         if self._pending_state is not None:
             sampler.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -179,6 +186,15 @@ class CurriculumDataModule(LightningDataModule):
 
     @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        batch = self._curriculum_batch(batch)
+        # Lightning calls this data module's hook instead of the LightningModule's: call the user's one too
+        trainer = self.trainer
+        module = trainer.lightning_module if trainer is not None else None
+        if module is not None and is_overridden("on_before_batch_transfer", module):
+            batch = module.on_before_batch_transfer(batch, dataloader_idx)
+        return batch
+
+    def _curriculum_batch(self, batch: Any) -> Any:
         trainer = self.trainer
         if self.sampler is None or trainer is None or not trainer.training:
             return batch
