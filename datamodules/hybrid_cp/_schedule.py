@@ -71,7 +71,7 @@ _BRANCHING = 3  # layouts tried per peeling step
 _MAX_PLANS = 24  # plans packed per attempt
 _REFINED = 3  # best packed plans refined by local search
 _MAX_SEARCH_STEPS = 400  # improving moves per refinement (each strictly lowers the scheduled time)
-_REL_TOL = 1e-12
+_REL_TOL = 1e-5  # a move must save this share of the step: below it, passes over all pairs cost more than they save
 
 
 def quadratic_cost(length: int, cp: int) -> float:
