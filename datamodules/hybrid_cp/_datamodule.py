@@ -161,7 +161,19 @@ class HybridCPTextDataModule(TextCorpusDataModule):
                 f"HybridCPTextDataModule: {world} ranks cannot be cut into data replicas of "
                 f"hybrid_cp.cp_size={cp} ranks; choose a cp_size that divides the world size."
             )
-        docs = PackedDocumentDataset(dataset, self.pad_multiple or 2 * world)
+        multiple = self.pad_multiple or 2 * world
+        if self.config.seq_len % multiple:
+            raise ValueError(
+                f"HybridCPTextDataModule: seq_len={self.config.seq_len} is not a multiple of {multiple} (every piece "
+                + (
+                    "is padded to a multiple of pad_multiple"
+                    if self.pad_multiple
+                    else f"is padded to a multiple of 2 x {world} ranks for the zigzag split"
+                )
+                + f"), so a piece of a full window would be padded past the model's {self.config.seq_len} positions; "
+                f"choose seq_len a multiple of {multiple}"
+            )
+        docs = PackedDocumentDataset(dataset, multiple)
         sampler: DistributedSampler[Any] = DistributedSampler(
             docs, num_replicas=world // cp, rank=rank // cp, shuffle=True, seed=self.config.seed, drop_last=True
         )
