@@ -164,3 +164,30 @@ def test_zlightning_analyze_command(tmp_path: Path, capsys: pytest.CaptureFixtur
     s2m = IndexFile(tmp_path / "out" / "seqlen" / "seqlen_sample_to_metric")
     assert len(s2m) > 10 and set(np.asarray(s2m.values).tolist()) == {16}
     assert len(IndexFile(tmp_path / "out" / "vocab_rarity" / "vocab_rarity_index_to_metric")) >= 2
+
+
+def test_deepspeed_positional_call_and_specific_threads(tmp_path: Path) -> None:
+    kw, ds_way, by_thread = tmp_path / "kw", tmp_path / "ds", tmp_path / "threads"
+    DataAnalyzer(Padded(), save_path=kw, metric_names=["seqlen"], pad_token_id=PAD, progress=False).run_map_reduce()
+    # Megatron-DeepSpeed's call: (dataset, num_workers, worker_id, num_threads, num_threads_reduce, specific_threads,
+    # batch_size, metric_names, metric_functions, metric_types, metric_dtypes, save_path)
+    DataAnalyzer(
+        Padded(), 1, 0, 2, 2, [], 64, ["seqlen"], [None], ["single_value_per_sample"], [np.int64], str(ds_way),
+        pad_token_id=PAD, progress=False,
+    ).run_map_reduce()  # fmt: skip
+    for t in (1, 0):  # each thread's share mapped by its own call, as DeepSpeed reruns specific threads
+        DataAnalyzer(
+            Padded(), num_threads=2, specific_threads=[t], save_path=by_thread, metric_names=["seqlen"],
+            pad_token_id=PAD, progress=False,
+        ).run_map()  # fmt: skip
+    DataAnalyzer(
+        Padded(), num_threads=2, save_path=by_thread, metric_names=["seqlen"], pad_token_id=PAD, progress=False
+    ).run_reduce()
+    want = _files(kw, "seqlen")
+    for root in (ds_way, by_thread):
+        for name, got in _files(root, "seqlen").items():
+            assert [got[i].tolist() for i in range(len(got))] == [want[name][i].tolist() for i in range(len(got))]
+    with pytest.raises(NotImplementedError, match="custom_map_init"):
+        DataAnalyzer(Padded(), save_path=tmp_path, metric_names=["seqlen"], custom_map_init=lambda: None)
+    with pytest.raises(ValueError, match=r"specific_threads \[3\]"):
+        DataAnalyzer(Padded(), save_path=tmp_path, metric_names=["seqlen"], num_threads=2, specific_threads=[3])

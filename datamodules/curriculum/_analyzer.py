@@ -151,7 +151,7 @@ class DataAnalyzer:
 
     Args:
         dataset: A map-style dataset (``__len__`` and ``__getitem__``).
-        save_path: Output folder (shared by all workers).
+        save_path: Output folder (shared by all workers); DeepSpeed's default ``"./"``.
         metric_names: DeepSpeed-style parallel lists: names...
         metric_functions: ...functions (None entries, or omitting the list, select a built-in by name)...
         metric_types: ...types (default ``single_value_per_sample``)...
@@ -161,6 +161,11 @@ class DataAnalyzer:
         num_workers: Number of workers the dataset is split across (each runs `run_map` with its ``worker_id``).
         worker_id: This worker, in ``[0, num_workers)``.
         num_threads: Threads per worker, each mapping a contiguous part of the worker's range.
+        num_threads_reduce: DeepSpeed's; accepted (the reduce here is sequential).
+        specific_threads: DeepSpeed's: map only these thread ids of this worker (empty: all), e.g. to rerun one
+            that failed; the reduce needs every thread's chunks.
+        custom_map_init, custom_map_update, custom_map_finalize, custom_reduce, sample_indices: DeepSpeed's
+            hooks; not supported (NotImplementedError when given).
         collate_fn: DataLoader collate function (default: PyTorch's).
         pad_token_id: Padding token of the built-in metrics.
         token_counts: Dataset token histogram for ``vocab_rarity`` (computed by a first pass when None).
@@ -171,26 +176,56 @@ class DataAnalyzer:
         ValueError: For inconsistent metric lists, a duplicate or unknown metric, or an invalid worker setting.
     """
 
-    def __init__(
+    def __init__(  # DeepSpeed's parameter order up to sample_indices, so its positional calls port unchanged
         self,
         dataset: Dataset[Any],
-        *,
-        save_path: str | Path,
+        num_workers: int = 1,
+        worker_id: int = 0,
+        num_threads: int = 1,
+        num_threads_reduce: int = 1,
+        specific_threads: Sequence[int] = (),
+        batch_size: int = 1000,
         metric_names: Sequence[str] = (),
         metric_functions: Sequence[MetricFn | None] | None = None,
         metric_types: Sequence[MetricType] | None = None,
         metric_dtypes: Sequence[Any] | None = None,
-        metrics: Sequence[MetricSpec] = (),
-        batch_size: int = 1000,
-        num_workers: int = 1,
-        worker_id: int = 0,
-        num_threads: int = 1,
+        save_path: str | Path = "./",
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        custom_map_init: Any = None,
+        custom_map_update: Any = None,
+        custom_map_finalize: Any = None,
+        custom_reduce: Any = None,
+        sample_indices: Any = None,
+        *,
+        metrics: Sequence[MetricSpec] = (),
         pad_token_id: int | None = None,
         token_counts: np.ndarray | None = None,
         progress: bool = True,
         keep_chunks: bool = False,
     ) -> None:
+        hooks = {
+            "custom_map_init": custom_map_init,
+            "custom_map_update": custom_map_update,
+            "custom_map_finalize": custom_map_finalize,
+            "custom_reduce": custom_reduce,
+            "sample_indices": sample_indices,
+        }
+        unsupported = [k for k, v in hooks.items() if v is not None]
+        if unsupported:
+            raise NotImplementedError(
+                f"DataAnalyzer: {unsupported} (DeepSpeed's custom map/reduce hooks) are not supported; express the "
+                "analysis as metric_functions (batch -> one integer per sample, or a token-count vector with "
+                "metric_types='accumulate_value_over_samples')"
+            )
+        if isinstance(num_threads_reduce, bool) or not isinstance(num_threads_reduce, int) or num_threads_reduce < 1:
+            raise ValueError(f"DataAnalyzer: num_threads_reduce must be an int >= 1, got {num_threads_reduce!r}.")
+        bad_threads = [t for t in specific_threads if not (isinstance(t, int) and 0 <= t < num_threads)]
+        if bad_threads:
+            raise ValueError(
+                f"DataAnalyzer: specific_threads {bad_threads} are not thread ids in [0, num_threads={num_threads})."
+            )
+        self.num_threads_reduce = num_threads_reduce  # accepted for DeepSpeed's calls: the reduce is sequential
+        self.specific_threads = tuple(specific_threads)
         for name, value, lo in (
             ("batch_size", batch_size, 1),
             ("num_workers", num_workers, 1),
@@ -292,10 +327,11 @@ class DataAnalyzer:
                 spec.fn.resolve()
         lo, hi = _split_index(0, self.num_samples, self.num_workers)[self.worker_id]
         ranges = _split_index(lo, hi, self.num_threads)
-        total = sum(math.ceil((b - a) / self.batch_size) for a, b in ranges)
+        chosen = [(t, r) for t, r in enumerate(ranges) if not self.specific_threads or t in self.specific_threads]
+        total = sum(math.ceil((b - a) / self.batch_size) for _, (a, b) in chosen)
         bar = _progress(total, f"analyze worker {self.worker_id}", self.progress)
-        with ThreadPoolExecutor(max_workers=self.num_threads) as pool:
-            futures = [pool.submit(self._map_range, t, a, b, bar) for t, (a, b) in enumerate(ranges)]
+        with ThreadPoolExecutor(max_workers=len(chosen)) as pool:
+            futures = [pool.submit(self._map_range, t, a, b, bar) for t, (a, b) in chosen]
             for f in futures:
                 f.result()
         bar.close()
