@@ -489,11 +489,26 @@ class DeepSpeedDataSampler:
     def _empty_message(self) -> str:
         sizes = {n: int(self._eligible(n, d).sum()) for n, d in self.current_difficulties.items()}
         empty = [n for n, s in sizes.items() if s == 0]
+        metrics = self.config.curriculum.curriculum_metrics
+        advice = []
+        for name in empty:
+            m = metrics.get(name)
+            if m is not None and m.difficulty_type == "percentile":
+                top = m.schedule.max_difficulty
+                advice.append(
+                    f"{name!r} is percentile-based: each of its {top} units holds N // {top} = "
+                    f"{self.one_epoch_total_samples // top} samples of this dataset, so raise min_difficulty until "
+                    f"min_difficulty * (N // {top}) >= 1, or lower max_difficulty to at most N"
+                )
+            else:
+                advice.append(
+                    f"raise min_difficulty of {name!r} to at least its smallest metric value (see *_index_to_metric)"
+                )
         return (
             f"DeepSpeedDataSampler: no sample is eligible at curriculum_step {self.curriculum_step} with difficulties "
             f"{self.current_difficulties} (eligible samples per metric: {sizes}; empty: {empty or 'the intersection'}). "
-            "Raise min_difficulty of those metrics to at least their smallest metric value (see *_index_to_metric), "
-            "or check that the index files belong to this dataset."
+            + ("; ".join(advice) + ", " if advice else "")
+            + "or check that the index files belong to this dataset."
         )
 
     def sample_from_clusters(self) -> np.ndarray:
