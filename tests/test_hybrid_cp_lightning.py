@@ -90,6 +90,24 @@ def test_datamodule_rejects_bad_options_and_needs_distributed(tmp_path: Path) ->
         dm.train_dataloader()
 
 
+def _loader_error(rank: int, world: int, root: str) -> str:
+    dm = HybridCPTextDataModule(hybrid_cp=HCP, data_dir=root, pattern="*.txt", seq_len=30, batch_size=BATCH)
+    dm.setup("fit")
+    try:
+        dm.train_dataloader()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_seq_len_the_padding_does_not_divide_is_refused_at_the_loader(tmp_path: Path) -> None:
+    from zlightning.testing import run_distributed
+
+    _write_corpus(tmp_path)
+    out = run_distributed(_loader_error, 2, str(tmp_path), timeout=120)  # pieces padded to multiples of 2 x 2
+    assert all("seq_len=30 is not a multiple of 4" in o for o in out), out
+
+
 def test_module_rejects_plain_batches() -> None:
     module = HybridCPGPTModule(CFG)
     with pytest.raises(TypeError, match="expects a HybridCPBatch"):
