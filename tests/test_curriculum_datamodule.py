@@ -84,10 +84,17 @@ def _config(root: str, workers: int = 0) -> dict[str, Any]:
 
 
 def _fit(
-    root: str, max_steps: int, ckpt: str | None = None, workers: int = 0, **trainer_kw: Any
+    root: str,
+    max_steps: int,
+    ckpt: str | None = None,
+    workers: int = 0,
+    model: Recorder | None = None,
+    dm: CurriculumDataModule | None = None,
+    **trainer_kw: Any,
 ) -> tuple[Recorder, pl.Trainer]:
-    model = Recorder()
-    dm = CurriculumDataModule(_config(root, workers), dataset=IdDataset(), micro_batch_size=4)
+    model = model if model is not None else Recorder()
+    if dm is None:
+        dm = CurriculumDataModule(_config(root, workers), dataset=IdDataset(), micro_batch_size=4)
     kw: dict[str, Any] = dict(
         max_steps=max_steps,
         accelerator="cpu",
@@ -222,19 +229,8 @@ def test_custom_schedule_through_the_module_and_the_users_batch_hook_still_runs(
             self.transfers += 1
             return batch
 
-    model = Hooked()
     dm = CurriculumDataModule(config, dataset=IdDataset(), micro_batch_size=4, custom_schedules={"m": difficulty})
-    trainer = pl.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        devices=1,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, datamodule=dm)
+    model, _ = _fit(root, 6, model=Hooked(), dm=dm)
     vals = _metric_values()
     assert steps[:5] == [1, 2, 3, 4, 5]  # (not called again once it returned max_difficulty)
     assert all(vals[ids].max() <= 30 for ids, _ in model.seen[:8])
