@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zlightning._dist_compat import all_gather_single
 from zlightning.compile._graph import GroupSpec, ordered_groups
 
 __all__ = ["GroupProfile", "UnshardPlan", "budget_bytes", "plan_unshard", "profile_gathers"]
@@ -73,7 +74,7 @@ def profile_gathers(state: object, specs: Sequence[GroupSpec], repeats: int = 3)
         for _ in range(repeats + 1):  # the first one warms the connection up
             t0 = time.perf_counter()
             if group.world > 1:
-                dist.all_gather_single(out, src, group=pg)
+                all_gather_single(out, src, group=pg)
             else:
                 out.copy_(src)
             if out.is_cuda:

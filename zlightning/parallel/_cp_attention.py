@@ -54,6 +54,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
+from zlightning._dist_compat import all_gather_single, reduce_scatter_single
+
 __all__ = ["CPShard", "HybridCPGroups", "PlacedSubSample", "cp_attention", "cp_causal_attention", "zigzag_positions"]
 
 
@@ -277,13 +279,13 @@ class _AllGatherStack(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty(size * x.numel())  # flat: gloo wants [size * numel] buffers
-        dist.all_gather_single(out, x.view(-1), group=group)
+        all_gather_single(out, x.view(-1), group=group)
         return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
         grad = grad_out.new_empty(grad_out.shape[1:])
-        dist.reduce_scatter_single(grad.view(-1), grad_out.contiguous().view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
+        reduce_scatter_single(grad.view(-1), grad_out.contiguous().view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None, None
 
 

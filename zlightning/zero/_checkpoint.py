@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from zlightning._dist_compat import all_gather_single
 from zlightning.zero._param import ZeroParam
 from zlightning.zero._param_group import ZeroParamGroup
 from zlightning.zero._state import ZeroState, engine_of
@@ -38,7 +38,7 @@ def _gather_flat(group: ZeroParamGroup, local: torch.Tensor) -> torch.Tensor:
     if group.world == 1:
         out.copy_(local)
     else:
-        dist.all_gather_single(out, local.contiguous(), group=group.context.process_group)
+        all_gather_single(out, local.contiguous(), group=group.context.process_group)
     return out
 
 
