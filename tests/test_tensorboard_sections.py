@@ -25,8 +25,11 @@ from zlightning.loggers import TensorBoardLogger, section_tag
         ("train_loss_step", "loss/train_step"),
         ("val/ppl", "loss/val_ppl"),
         ("train/tokens_per_s", "throughput/tokens_per_s"),
+        ("val/tokens_per_s", "throughput/val_tokens_per_s"),
+        ("test_samples_per_sec", "throughput/test_samples_per_sec"),
         ("train|device/batches_per_sec", "throughput/device_batches_per_sec"),
         ("train/rss_mb", "memory/rss_mb"),
+        ("val/rss_mb", "memory/val_rss_mb"),
         ("memory/zero_params_mb", "memory/zero_params_mb"),
         ("offload/swap_read_MBps", "offload/swap_read_MBps"),
         ("curriculum/seqlen_truncate", "curriculum/seqlen_truncate"),
@@ -58,6 +61,7 @@ class _Module(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+        self.log("val/tokens_per_s", -1.0)  # a rate of validation's own: never drawn into training's chart
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -86,3 +90,19 @@ def test_fit_writes_sectioned_tags(tmp_path: Path) -> None:
     assert {"loss/train", "loss/val", "throughput/tokens_per_s", "progress/epoch"} <= tags, tags
     assert not tags & {"hp_metric", "epoch", "train/loss", "val/loss"}, tags
     assert [e.step for e in events.Scalars("loss/val")] == [3, 7]  # one point per validation: a line, not a dot
+    assert all(e.value >= 100 for e in events.Scalars("throughput/tokens_per_s")), "validation's rate mixed in"
+    assert [e.value for e in events.Scalars("throughput/val_tokens_per_s")] == [-1.0, -1.0]
+
+
+def test_tags_that_meet_are_kept_apart(tmp_path: Path) -> None:
+    """A user's rules that send two keys to one tag: the second key is written as logged (one warning), so that
+    no chart mixes two series and nothing is lost."""
+    logger = TensorBoardLogger(str(tmp_path), name="run", sections=[(r"(?:\w+)/loss", "loss")])
+    with pytest.warns(UserWarning, match="'val/loss' and 'train/loss' both map to the tag 'loss'"):
+        for step in range(3):
+            logger.log_metrics({"train/loss": 1.0 + step, "val/loss": -1.0 - step}, step)
+    logger.finalize("success")
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == [1.0, 2.0, 3.0]
+    assert [e.value for e in events.Scalars("val/loss")] == [-1.0, -2.0, -3.0]

@@ -19,7 +19,12 @@ unchanged) so that each concern has its section:
 ``optim``       ``LearningRateMonitor``'s ``lr-*``
 ==============  ===========================================================================================
 
-and it starts with ``default_hp_metric=False``: no ``hp_metric`` card (hyper-parameters are still written to the
+Training's tags lose their ``train`` prefix; any other prefix stays in the name (``val/tokens_per_s`` ->
+``throughput/val_tokens_per_s``), so that two concerns never share a chart. Rules given by a user may still send
+two tags to one name: the second tag to arrive is then written as logged, with a warning, rather than drawn into the
+first one's chart.
+
+It starts with ``default_hp_metric=False``: no ``hp_metric`` card (hyper-parameters are still written to the
 HPARAMS tab). The rules are data (`SECTION_RULES`, first match wins, unmatched tags kept as they are) and
 ``sections=`` replaces them.
 """
@@ -31,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger as _LightningTensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 __all__ = ["SECTION_RULES", "TensorBoardLogger", "section_tag"]
@@ -41,10 +46,12 @@ SECTION_RULES: tuple[tuple[str, str], ...] = (
     (r"epoch", r"progress/epoch"),
     (rf"{_SPLIT}[/_]loss((?:_epoch|_step)?)", r"loss/\1\2"),
     (rf"{_SPLIT}[/_](ppl|perplexity)((?:_epoch|_step)?)", r"loss/\1_\2\3"),
-    (r"(?:\w+[/_])?((?:tokens|samples|batches|items|flops)_per_s(?:ec)?)", r"throughput/\1"),
+    (r"(?:train[/_])?((?:tokens|samples|batches|items|flops)_per_s(?:ec)?)", r"throughput/\1"),
+    (r"(\w+)[/_]((?:tokens|samples|batches|items|flops)_per_s(?:ec)?)", r"throughput/\1_\2"),
     (r"train\|device/(\w+)", r"throughput/device_\1"),
     (r"train\|(\w+)", r"throughput/\1"),
-    (r"(?:\w+[/_])?(rss_mb)", r"memory/\1"),
+    (r"(?:train[/_])?(rss_mb)", r"memory/\1"),
+    (r"(\w+)[/_](rss_mb)", r"memory/\1_\2"),
     (r"zero/(\w+_mb)", r"memory/zero_\1"),
     (r"(lr-.+)", r"optim/\1"),
 )
@@ -102,8 +109,23 @@ class TensorBoardLogger(_LightningTensorBoardLogger):
             **kwargs,
         )
         self.sections = tuple(sections)
+        self._tag_source: dict[str, str] = {}  # written tag -> the logged key it came from
+        self._kept_as_logged: set[str] = set()  # keys that met another key's tag (warned once each)
+
+    def _tag(self, key: str) -> str:
+        tag = section_tag(key, self.sections)
+        source = self._tag_source.setdefault(tag, key)
+        if source == key:
+            return tag
+        if key not in self._kept_as_logged:
+            self._kept_as_logged.add(key)
+            rank_zero_warn(
+                f"TensorBoardLogger(sections=...): {key!r} and {source!r} both map to the tag {tag!r}; {key!r} is "
+                f"written as logged. Give one of them a rule of its own (or log it under another name)."
+            )
+        return key
 
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        super().log_metrics({section_tag(k, self.sections): v for k, v in metrics.items()}, step)
+        super().log_metrics({self._tag(k): v for k, v in metrics.items()}, step)
