@@ -296,3 +296,21 @@ def test_deepspeed_config_over_the_yaml_merges(
     assert strategy.zero.offload_optimizer == CPUOffload() and strategy.zero.prefetch_bucket_size == 1_000_000
     assert "kept from zero=: zero.unit_modules" in caplog.text
     assert "replaced zero=: zero.prefetch_bucket_size" in caplog.text
+
+
+def test_estimate_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    """``zlightning estimate --offload``: the bytes leave the device for the host, then for the disk (8 ranks, 7e9
+    parameters: shards of 875e6 elements, 3.26 GiB per 4 bytes an element, 16 bytes for Adam training)."""
+
+    def gib(args: list[str], key: str) -> float:
+        main(["estimate", "--params", "7e9", "--world-size", "8", *args])
+        out = capsys.readouterr().out
+        return float(next(line.split()[1] for line in out.splitlines() if line.split()[:1] == [key]))
+
+    assert gib([], "device_bytes") == pytest.approx(4 * 3.26, abs=0.01)
+    assert gib(["--offload", "cpu"], "device_bytes") == pytest.approx(2 * 3.26, abs=0.01)
+    assert gib(["--offload", "cpu"], "host_bytes") == pytest.approx(3 * 3.26, abs=0.01)
+    assert gib(["--offload", "nvme", "--offload-params", "nvme"], "nvme_bytes") == pytest.approx(4 * 3.26, abs=0.01)
+    assert gib(["--offload", "cpu", "--device", "cpu"], "host_bytes") == pytest.approx(4 * 3.26, abs=0.01)
+    with pytest.raises(SystemExit, match="needs offload_optimizer"):
+        main(["estimate", "--params", "7e9", "--world-size", "8", "--offload-params", "nvme"])

@@ -149,8 +149,35 @@ def _estimate(argv: list[str]) -> None:
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
     p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed, ...")
-    p.add_argument("--offload", choices=["none"], default="none", help="CPU/NVMe offload: not available yet")
+    p.add_argument(
+        "--offload",
+        choices=["none", "cpu", "nvme"],
+        default="none",
+        help="optimizer offload: none, cpu (zstack_zero3_offload) or nvme (state in swap files)",
+    )
+    p.add_argument(
+        "--offload-params",
+        choices=["none", "nvme"],
+        default="none",
+        help="parameter offload: nvme keeps parameter shards in swap files (zstack_zero3_nvme; stage 3)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="compute device: cuda splits the bytes between the accelerator and the host; cpu counts all as host",
+    )
     a = p.parse_args(argv)
+    from zlightning.zero import CPUOffload, NVMeOffload, ZeroConfig
+
+    try:
+        config = ZeroConfig(
+            stage=a.stage,
+            offload_optimizer={"none": None, "cpu": CPUOffload(), "nvme": NVMeOffload()}[a.offload],
+            offload_params=NVMeOffload() if a.offload_params == "nvme" else None,
+        )
+    except ValueError as err:
+        sys.exit(f"zlightning estimate: {err}")
     module = None
     if a.model:
         mod_name, _, cls_name = a.model.rpartition(".")
@@ -167,10 +194,12 @@ def _estimate(argv: list[str]) -> None:
         world_size=a.world_size,
         module=module,
         num_params=int(a.params) if a.params else None,
-        stage=a.stage,
         precision=a.precision,
+        config=config,
+        device_type=a.device,
     )
-    print(f"per-rank model states (ZeRO stage {a.stage}, {a.world_size} ranks, {a.precision}):")
+    offload = f", offload optimizer={a.offload} params={a.offload_params}, {a.device}"
+    print(f"per-rank model states (ZeRO stage {a.stage}, {a.world_size} ranks, {a.precision}{offload}):")
     for key, value in est.as_dict().items():
         print(f"  {key:20s} {value / 2**30:10.3f} GiB")
 
