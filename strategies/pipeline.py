@@ -17,8 +17,9 @@ once, before the step. Validation, test and prediction use the inference schedul
 ``trainer.save_checkpoint``/``ModelCheckpoint`` write a directory (``zlightning.pipe.save_pipeline_checkpoint``:
 per-layer files, per-rank optimizer files, Lightning's loop state as client state); ``ckpt_path=`` resumes from it and
 ``consolidate_pipeline_checkpoint`` turns it into one plain state dict. With ``tensor_parallel_size > 1`` each rank
-writes its slices; such a checkpoint resumes on the same split and TP size only (see [Note: checkpoints with tensor
-parallelism] in ``zlightning.pipe._checkpoint``), and consolidation raises ``NotImplementedError``.
+writes its slices and their layout; such a checkpoint resumes with its optimizer state on the same split and TP size
+only, while consolidation and loading the weights elsewhere merge the slices (see [Note: checkpoints with tensor
+parallelism] in ``zlightning.pipe._checkpoint``).
 ``ckpt_path=`` reads every file weights-only (no code from the checkpoint runs); Lightning's
 ``fit/validate/test/predict(..., weights_only=False)`` is the opt-in to full unpickling for trusted checkpoints (see
 [Note: Lightning's weights_only after setup] in ``_weights_only.py``).

@@ -267,33 +267,38 @@ def _lightning(world: int, tmp: Path) -> dict[str, Any]:
 
 def _checkpoint(rank: int, tmp: Path) -> dict[str, Any]:
     """PP2 x TP2: save after 2 steps; the 3rd step of a fresh engine resumed from it equals the uninterrupted 3rd step.
-    Loading into another grid and consolidating refuse."""
+    Consolidation merges the slices; the weights load on another grid (DP2 x PP2 without TP, and from there a
+    checkpoint without TP into PP1 x DP2 x TP2), the optimizer state there refuses."""
     config = PipelineConfig(micro_batches=MICRO, gradient_clipping=CLIP, tensor_parallel_size=2)
     batches = data(seed=11)
     engine = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, config)
     for b in batches[:2]:
         engine.train_batch(batch=b)
     save_pipeline_checkpoint(engine, tmp / "ckpt")
-    out: dict[str, Any] = {"loss": float(engine.train_batch(batch=batches[2])), "state": tp_full_state(engine.module)}
+    out: dict[str, Any] = {"saved_state": tp_full_state(engine.module)}
+    out.update(loss=float(engine.train_batch(batch=batches[2])), state=tp_full_state(engine.module))
     resumed = PipelineEngine(gpt_pipeline(CFG, num_stages=2), make_optimizer, config)
     load_pipeline_checkpoint(resumed, tmp / "ckpt")
     out["resumed_loss"] = float(resumed.train_batch(batch=batches[2]))
     out["resumed_state"] = tp_full_state(resumed.module)
     out["files"] = sorted(p.name for p in (tmp / "ckpt").iterdir())
+    out["consolidated"] = consolidate_pipeline_checkpoint(tmp / "ckpt") if rank == 0 else None
     other = PipelineEngine(
         gpt_pipeline(CFG, num_stages=2), make_optimizer, PipelineConfig(micro_batches=MICRO)
     )  # DP2 x PP2
-    errors = []
-    for load in (
-        lambda: load_pipeline_checkpoint(other, tmp / "ckpt"),
-        lambda: consolidate_pipeline_checkpoint(tmp / "ckpt"),
-    ):
-        try:
-            load()
-            errors.append(None)
-        except NotImplementedError as err:
-            errors.append(str(err))
-    out["errors"] = errors
+    try:
+        load_pipeline_checkpoint(other, tmp / "ckpt")
+        out["optimizer_error"] = None
+    except NotImplementedError as err:
+        out["optimizer_error"] = str(err)
+    load_pipeline_checkpoint(other, tmp / "ckpt", load_optimizer=False)
+    out["other_state"] = {k: v.detach().clone() for k, v in other.module.named_parameters()}
+    save_pipeline_checkpoint(other, tmp / "ckpt_no_tp")
+    one_stage = PipelineEngine(
+        gpt_pipeline(CFG, num_stages=1), make_optimizer, PipelineConfig(micro_batches=MICRO, tensor_parallel_size=2)
+    )  # PP1 x DP2 x TP2
+    load_pipeline_checkpoint(one_stage, tmp / "ckpt_no_tp", load_optimizer=False)
+    out["one_stage_state"] = tp_full_state(one_stage.module)
     return out
 
 
@@ -407,18 +412,33 @@ def test_dp2_tp2_zero1_matches_single_process(results: list[dict[str, Any]]) -> 
     _check_run(results, "dp2tp2", dp=2)
 
 
-def test_tp_checkpoint_resumes_exactly_and_refuses_another_grid(results: list[dict[str, Any]]) -> None:
+def test_tp_checkpoint_resumes_exactly_consolidates_and_reshards_the_weights(results: list[dict[str, Any]]) -> None:
     files = results[0]["ckpt"]["files"]
     assert "layer_002-tp00-model_states.pt" in files and "layer_002-tp01-model_states.pt" in files, files
     assert "optim_pp01_dp00_tp01.pt" in files and "tied_embed-model_states.pt" in files, files
+    assert "layer_002-tp_layout.pt" in files, files
+    full: dict[str, torch.Tensor] = {}  # the saved weights, whole: every rank's full view of its stage
+    for r in results:
+        full.update(r["ckpt"]["saved_state"])
+    consolidated = results[0]["ckpt"]["consolidated"]
+    assert full.keys() <= consolidated.keys(), full.keys() - consolidated.keys()
+    assert any(v.ndim == 2 for v in full.values())
+    for k, v in full.items():
+        torch.testing.assert_close(consolidated[k], v, rtol=0, atol=0, msg=k)
     for r in results:
         c = r["ckpt"]
         assert c["resumed_loss"] == c["loss"]
         assert c["state"].keys() == c["resumed_state"].keys()
         for k, v in c["state"].items():
             torch.testing.assert_close(c["resumed_state"][k], v, rtol=0, atol=0)
-        assert c["errors"][0] is not None and "tensor_parallel_size=2 on 2 stages" in c["errors"][0]
-        assert c["errors"][1] is not None and "consolidating them is not implemented" in c["errors"][1]
+        assert c["optimizer_error"] is not None and "tensor_parallel_size=2 on 2 stages" in c["optimizer_error"]
+        assert "load_optimizer=False" in c["optimizer_error"]
+        assert c["other_state"] and c["other_state"].keys() <= full.keys()
+        for k, v in c["other_state"].items():  # TP2 checkpoint -> no TP: the merged weights
+            torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=k)
+        assert c["one_stage_state"].keys() == full.keys()
+        for k, v in c["one_stage_state"].items():  # checkpoint without TP -> one stage, TP2: sliced again
+            torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=k)
         saved = r["lightning"]["state"]  # Lightning: the resumed module holds the saved weights
         assert saved.keys() == r["lightning"]["resumed_state"].keys()
         for k, v in saved.items():

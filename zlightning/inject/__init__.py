@@ -11,13 +11,15 @@ Public surface::
 
 from zlightning.inject._api import TPGroups, apply_tensor_parallel, build_tp_groups, module_inject, tp_full_state
 from zlightning.inject._classify import classify_linears
-from zlightning.inject._clip import clip_grad_norm_tp_, tp_model_parallel_grads, tp_split_names
+from zlightning.inject._clip import clip_grad_norm_tp_, tp_model_parallel_grads, tp_split_layout, tp_split_names
 from zlightning.inject._layers import (
     ColumnParallelLinear,
     FusedNorm,
     FusedSelfAttention,
     HiddenParallelEmbedding,
     RowParallelLinear,
+    tp_merge,
+    tp_slice,
 )
 from zlightning.inject._mlp import FusedMLP
 from zlightning.inject._policy import InjectError, InjectPolicy, LinearStyle
@@ -42,6 +44,9 @@ __all__ = [
     "clip_grad_norm_tp_",
     "module_inject",
     "tp_full_state",
+    "tp_merge",
     "tp_model_parallel_grads",
+    "tp_slice",
+    "tp_split_layout",
     "tp_split_names",
 ]

@@ -21,7 +21,7 @@ from zlightning import _gradnorm
 from zlightning.inject._layers import ColumnParallelLinear, HiddenParallelEmbedding, RowParallelLinear
 from zlightning.zero import ModelParallelGrads
 
-__all__ = ["clip_grad_norm_tp_", "tp_model_parallel_grads", "tp_split_names"]
+__all__ = ["clip_grad_norm_tp_", "tp_model_parallel_grads", "tp_split_layout", "tp_split_names"]
 
 _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, HiddenParallelEmbedding)
 
@@ -38,6 +38,21 @@ def tp_split_names(model: nn.Module) -> frozenset[str]:
                 if module._parameters.get(attr) is not None:
                     names.add(f"{mod_name}.{attr}" if mod_name else attr)
     return frozenset(names)
+
+
+def tp_split_layout(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{qualified name: (dim, chunks)}`` of the parameters of ``model`` that hold a different slice on every TP
+    rank (the names of `tp_split_names`): ``zlightning.inject.tp_merge`` of every rank's slice, in TP rank order, with
+    these arguments gives the full tensor, and ``tp_slice`` cuts one rank's slice from it. Plain data: checkpoints
+    record it, so that their slices can be put back together without the model."""
+    layout: dict[str, tuple[int, int]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, _TP_LAYERS):
+            for attr in module.tp_split:
+                where = module.tp_layout(attr)
+                if module._parameters.get(attr) is not None and where is not None:
+                    layout[f"{mod_name}.{attr}" if mod_name else attr] = where
+    return layout
 
 
 def tp_model_parallel_grads(model: nn.Module, tp_group: dist.ProcessGroup) -> ModelParallelGrads:

@@ -30,13 +30,25 @@ ShardMemo = dict[tuple[int, str], nn.Parameter]
 """(id(original parameter), slice spec) -> shard parameter; see [Note: TP layers share the parameter objects ...]."""
 
 
+def tp_slice(full: Tensor, dim: int, chunks: int, rank: int, world: int) -> Tensor:
+    """TP rank ``rank``'s slice of ``full`` on ``dim``; with ``chunks`` > 1 (a fused ``[q; k; v]``) each chunk is
+    sliced separately. A view or a new tensor: clone it before keeping it."""
+    pieces = [c.chunk(world, dim=dim)[rank] for c in full.chunk(chunks, dim=dim)]
+    return pieces[0] if chunks == 1 else torch.cat(pieces, dim=dim)
+
+
+def tp_merge(slices: list[Tensor], dim: int, chunks: int) -> Tensor:
+    """Inverse of `tp_slice`: the full tensor from every TP rank's slice, in rank order."""
+    per_rank = [p.chunk(chunks, dim=dim) for p in slices]
+    return torch.cat([per_rank[r][c] for c in range(chunks) for r in range(len(slices))], dim=dim)
+
+
 def _gather(local: Tensor, dim: int, chunks: int, group: dist.ProcessGroup) -> Tensor:
     """Inverse of `_shard`: the full tensor from every rank's slice (a collective over ``group``)."""
     world = dist.get_world_size(group)
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
-    per_rank = [p.chunk(chunks, dim=dim) for p in parts]
-    return torch.cat([per_rank[r][c] for c in range(chunks) for r in range(world)], dim=dim)
+    return tp_merge(parts, dim, chunks)
 
 
 def _shard(param: torch.Tensor, dim: int, chunks: int, rank: int, world: int, memo: ShardMemo) -> nn.Parameter:
@@ -44,8 +56,7 @@ def _shard(param: torch.Tensor, dim: int, chunks: int, rank: int, world: int, me
     key = (id(param), f"dim{dim}/chunks{chunks}/{rank}of{world}")
     if key in memo:
         return memo[key]
-    pieces = [c.chunk(world, dim=dim)[rank] for c in param.detach().chunk(chunks, dim=dim)]
-    shard = nn.Parameter(torch.cat(pieces, dim=dim).clone(), requires_grad=param.requires_grad)
+    shard = nn.Parameter(tp_slice(param.detach(), dim, chunks, rank, world).clone(), requires_grad=param.requires_grad)
     memo[key] = shard
     return shard
 
@@ -72,6 +83,10 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features // world
         self.weight = _shard(linear.weight, 0, chunks, rank, world, memo)
         self.bias = None if linear.bias is None else _shard(linear.bias, 0, chunks, rank, world, memo)
+
+    def tp_layout(self, attr: str) -> tuple[int, int] | None:
+        """``(dim, chunks)`` of ``weight`` and ``bias``: both sliced on the output dim."""
+        return (0, self.chunks)
 
     def unshard(self, attr: str, local: Tensor) -> Tensor:
         """The full (unsharded) value of ``weight``/``bias`` or of its gradient ``local`` (collective)."""
@@ -107,6 +122,10 @@ class RowParallelLinear(nn.Module):
         self.weight = _shard(linear.weight, 1, 1, rank, world, memo)
         self.bias = linear.bias
 
+    def tp_layout(self, attr: str) -> tuple[int, int] | None:
+        """``weight`` is sliced on the input dim; ``bias`` is replicated (None)."""
+        return (1, 1) if attr == "weight" else None
+
     def unshard(self, attr: str, local: Tensor) -> Tensor:
         """The full value of ``weight`` (gathered on dim 1) or ``bias`` (replicated), or of its gradient."""
         return _gather(local, 1, 1, self.group) if attr == "weight" else local
@@ -133,6 +152,10 @@ class HiddenParallelEmbedding(nn.Module):
         self.group, self.padding_idx = group, embedding.padding_idx
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.weight = _shard(embedding.weight, 1, 1, rank, world, memo)
+
+    def tp_layout(self, attr: str) -> tuple[int, int] | None:
+        """The table is sliced on the hidden dim."""
+        return (1, 1)
 
     def unshard(self, attr: str, local: Tensor) -> Tensor:
         """The full embedding table (or its gradient), gathered on the hidden dim (collective)."""

@@ -43,11 +43,19 @@ price is the gather: replica 0 of a stage holds that stage's full parameters and
 
 [Note: checkpoints with tensor parallelism]
 Under TP each rank holds slices of its layers, written as they are (no gather) with the TP index in the file name;
-tied layers are replicated over TP and written once. Such a checkpoint reloads on the same pipeline split and TP size
-(the data-parallel size may change for the weights; the optimizer state needs the same DP size and ZeRO stage, since
-regridding optimizer state by parameter name cannot tell TP slices apart). Anything else -- another TP size or split,
-a TP checkpoint into a run without TP or the reverse, consolidation into one state dict -- raises
-``NotImplementedError`` rather than loading slices into the wrong places.
+tied layers are replicated over TP and written once. Beside each layer, ``layer_{idx:03d}-tp_layout.pt`` records how
+its split parameters were cut (``{name: (dim, chunks)}``, `zlightning.inject.tp_split_layout`; plain data). With it:
+
+* consolidation merges each parameter's slices (`zlightning.inject.tp_merge`) into the one-stage state dict, reading
+  one layer's slices at a time;
+* the weights reload on any grid: another TP size, split or stage count, no TP at all, and a checkpoint without TP
+  into a TP run. Each rank merges the slices of the layers it holds and cuts its own slice by its own model's layout
+  (a layer split differently in the new run, or replicated there, is cut as the new run needs).
+
+The optimizer state reloads on the same pipeline split and TP size (the data-parallel size may change only with the
+same ZeRO stage at DP 1); on another TP grid it raises ``NotImplementedError`` naming ``load_optimizer=False``, since
+regridding optimizer state by parameter name cannot tell TP slices apart. Checkpoints written before layouts were
+recorded reload only on their own grid and do not consolidate (the error says so).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from zlightning._safe_load import LIGHTNING_OPT_IN, join_client_state, load_file, split_client_state
+from zlightning.inject import tp_merge, tp_slice, tp_split_layout
 from zlightning.pipe._engine import PipelineEngine
 
 __all__ = [
@@ -101,18 +110,75 @@ def _optim_file(stage: int, dp_rank: int, tp: int, tp_rank: int) -> str:
     return f"optim_pp{stage:02d}_dp{dp_rank:02d}{tail}.pt"
 
 
-def _check_tp(engine: PipelineEngine, path: Path, meta: dict[str, Any]) -> None:
-    """See [Note: checkpoints with tensor parallelism]."""
+def _layout_file(idx: int) -> str:
+    return f"layer_{idx:03d}-tp_layout.pt"
+
+
+def _same_tp_grid(engine: PipelineEngine, meta: dict[str, Any]) -> bool:
     saved, tp = meta.get("tp", 1), engine.grid.tp
     if saved == tp == 1:
+        return True
+    return saved == tp and meta["pp"] == engine.grid.pp and meta["bounds"] == engine.module.bounds
+
+
+def _check_tp(engine: PipelineEngine, path: Path, meta: dict[str, Any], load_optimizer: bool) -> None:
+    """See [Note: checkpoints with tensor parallelism]."""
+    if _same_tp_grid(engine, meta):
         return
-    if saved != tp or meta["pp"] != engine.grid.pp or meta["bounds"] != engine.module.bounds:
+    saved, tp = meta.get("tp", 1), engine.grid.tp
+    where = (
+        f"{path} was saved with tensor_parallel_size={saved} on {meta['pp']} stages (split {meta['bounds']}); this run "
+        f"has tensor_parallel_size={tp} on {engine.grid.pp} stages (split {engine.module.bounds})"
+    )
+    if saved > 1 and not (path / _layout_file(_first_layer_with_file(path, meta))).is_file():
         raise NotImplementedError(
-            f"{path} was saved with tensor_parallel_size={saved} on {meta['pp']} stages (split {meta['bounds']}); this "
-            f"run has tensor_parallel_size={tp} on {engine.grid.pp} stages (split {engine.module.bounds}). Checkpoints "
-            "with tensor parallelism reload only on the same pipeline split and TP size; resharding them is not "
-            "implemented"
+            f"{where}. It was written before checkpoints recorded how layers are split (no *-tp_layout.pt files), so "
+            "it reloads only on its own grid; load it there and save it again"
         )
+    if load_optimizer and engine.optimizer is not None:
+        raise NotImplementedError(
+            f"{where}. The weights reload on this grid, the optimizer state does not (it cannot be regridded across "
+            "tensor-parallel slices): load with load_optimizer=False (in Lightning, load the weights in "
+            "configure_model or on_fit_start and start a fresh fit)"
+        )
+
+
+def _first_layer_with_file(path: Path, meta: dict[str, Any]) -> int:
+    tp = meta.get("tp", 1)
+    return next((i for i in range(meta["num_layers"]) if (path / _layer_file(i, tp, 0)).is_file()), 0)
+
+
+def _merged_layer(path: Path, idx: int, meta: dict[str, Any], load: Any) -> dict[str, torch.Tensor] | None:
+    """Layer ``idx``'s full state dict from a checkpoint with any TP size (None: the layer has no file)."""
+    tp = meta.get("tp", 1)
+    if tp == 1:
+        f = path / _layer_file(idx, 1, 0)
+        return load(f) if f.is_file() else None
+    files = [path / _layer_file(idx, tp, t) for t in range(tp)]
+    if not files[0].is_file():
+        return None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path}: layer {idx} is missing the slices {missing} (tensor_parallel_size={tp})")
+    layout_path = path / _layout_file(idx)
+    if not layout_path.is_file():
+        raise NotImplementedError(
+            f"{path} holds tensor-parallel slices (tensor_parallel_size={tp}) written before checkpoints recorded how "
+            f"layers are split (no {layout_path.name}); they cannot be put together. Load the checkpoint on its own "
+            "grid and save it again, or gather in the running job with zlightning.inject.tp_full_state"
+        )
+    layout = load(layout_path)
+    slices = [load(f) for f in files]
+    return {k: tp_merge([s[k] for s in slices], *layout[k]) if k in layout else v for k, v in slices[0].items()}
+
+
+def _sliced_layer(full: dict[str, torch.Tensor], layer: torch.nn.Module, engine: PipelineEngine) -> dict[str, Any]:
+    """This TP rank's slice of a full layer state dict, cut by the running layer's own layout."""
+    if engine.grid.tp == 1:
+        return full
+    layout = tp_split_layout(layer)
+    tp, rank = engine.grid.tp, engine.grid.tp_rank
+    return {k: tp_slice(v, *layout[k], rank, tp).clone() if k in layout else v for k, v in full.items()}
 
 
 def save_pipeline_checkpoint(
@@ -136,8 +202,11 @@ def save_pipeline_checkpoint(
     full_tied = {key: zero.full_tied_state(key) for key in sorted(zero.tied)} if zero is not None else {}
     if grid.dp_rank == 0:
         for idx in _local_layers(engine):
-            state = full_layers[idx] if idx in full_layers else module.get_submodule(str(idx)).state_dict()
+            layer = module.get_submodule(str(idx))
+            state = full_layers[idx] if idx in full_layers else layer.state_dict()
             torch.save(state, path / _layer_file(idx, grid.tp, grid.tp_rank))
+            if grid.tp > 1 and grid.tp_rank == 0:  # see [Note: checkpoints with tensor parallelism]
+                torch.save(tp_split_layout(layer), path / _layout_file(idx))
         for key, src in engine.groups.tied_src.items():
             if src == grid.rank and grid.tp_rank == 0:  # replicated over TP: written once
                 state = full_tied[key] if key in full_tied else module.tied_modules[key].state_dict()
@@ -269,7 +338,7 @@ def load_pipeline_checkpoint(
     grid, module = engine.grid, engine.module
     if meta["num_layers"] != len(module.specs):
         raise ValueError(f"{path} holds {meta['num_layers']} layers but the PipelineModule has {len(module.specs)}")
-    _check_tp(engine, path, meta)
+    _check_tp(engine, path, meta, load_optimizer and (optimizer is not None or engine.optimizer is not None))
 
     def load(name: str, **kwargs: Any) -> Any:
         return load_file(path / name, weights_only=weights_only, opt_in=_LOAD_OPT_IN, **kwargs)
@@ -277,9 +346,18 @@ def load_pipeline_checkpoint(
     client = load("client_state.pt")
     objects = path / "client_objects.pt"
     client = join_client_state(client, (lambda: load(objects.name)) if objects.is_file() else None, weights_only)
-    layers = {
-        idx: load(_layer_file(idx, grid.tp, grid.tp_rank), map_location=engine.device) for idx in _local_layers(engine)
-    }
+    if _same_tp_grid(engine, meta):
+        layers = {
+            idx: load(_layer_file(idx, grid.tp, grid.tp_rank), map_location=engine.device)
+            for idx in _local_layers(engine)
+        }
+    else:  # another TP grid: merge the saved slices, cut this rank's (see [Note: checkpoints with tensor parallelism])
+        layers = {}
+        for idx in _local_layers(engine):
+            full = _merged_layer(path, idx, meta, lambda f: load(f.name, map_location=engine.device))
+            if full is None:
+                raise FileNotFoundError(f"{path}: no file for layer {idx}")
+            layers[idx] = _sliced_layer(full, module.get_submodule(str(idx)), engine)
     tied = {key: load(f"tied_{key}-model_states.pt", map_location=engine.device) for key in module.tied_modules}
     optimizer = optimizer if optimizer is not None else engine.optimizer
     optim_state = None
@@ -323,22 +401,21 @@ def consolidate_pipeline_checkpoint(
     ``"tied_modules.{key}.{param}"``), loadable with ``PipelineModule(...).build().load_state_dict``. No process group
     needed. Reads ``meta.pt`` and the layer files only, weights-only unless ``weights_only=False``.
 
+    Tensor-parallel slices are merged layer by layer (see [Note: checkpoints with tensor parallelism]).
+
     Raises:
-        NotImplementedError: a checkpoint written with tensor parallelism.
+        NotImplementedError: a tensor-parallel checkpoint written before layouts were recorded.
+        FileNotFoundError: a layer's slice is missing.
         UnsafeCheckpointError: a file needs full unpickling and ``weights_only`` is not ``False``."""
     path = Path(path)
     meta = _read_meta(path, weights_only, _CONSOLIDATE_OPT_IN)
-    if meta.get("tp", 1) > 1:
-        raise NotImplementedError(
-            f"{path} holds tensor-parallel slices (tensor_parallel_size={meta['tp']}); consolidating them is not "
-            "implemented. Gather the weights in the running job with zlightning.inject.tp_full_state on each stage"
-        )
     out: dict[str, torch.Tensor] = {}
     for idx in range(meta["num_layers"]):
-        f = path / f"layer_{idx:03d}-model_states.pt"
-        if f.is_file():
-            for k, v in load_file(f, weights_only=weights_only, opt_in=_CONSOLIDATE_OPT_IN).items():
-                out[f"{idx}.{k}"] = v
+        state = _merged_layer(
+            path, idx, meta, lambda f: load_file(f, weights_only=weights_only, opt_in=_CONSOLIDATE_OPT_IN)
+        )
+        for k, v in (state or {}).items():
+            out[f"{idx}.{k}"] = v
     for f in sorted(path.glob("tied_*-model_states.pt")):
         key = f.name[len("tied_") : -len("-model_states.pt")]
         for k, v in load_file(f, weights_only=weights_only, opt_in=_CONSOLIDATE_OPT_IN).items():
