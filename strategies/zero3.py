@@ -65,8 +65,9 @@ from zlightning._durable import remove_durably, resolve, save_failure_message, w
 from zlightning.compile import CompileConfig
 from zlightning.compile._zero3 import ZeroCompileHandle, compile_zero3
 from zlightning.inject._api import TPGroups, apply_tensor_parallel
-from zlightning.inject._clip import tp_model_parallel_grads
+from zlightning.inject._clip import tp_model_parallel_grads, tp_split_layout
 from zlightning.zero import (
+    CheckpointError,
     CheckpointPolicy,
     CheckpointSaveError,
     DynamicLossScaler,
@@ -89,6 +90,7 @@ from zlightning.zero import (
 from zlightning.zero._deepspeed_config import DeepSpeedSettings, from_deepspeed_config
 from zlightning.zero._deferred import InitRecording, deferred_init
 from zlightning.zero._offload_config import CPUOffload, NVMeOffload
+from zlightning.zero._tp_checkpoint import is_tp_checkpoint, load_sharded_tp, read_tp_index, save_sharded_tp
 
 __all__ = ["ZStackZero3Strategy", "ZeroMemoryMonitor"]
 
@@ -213,6 +215,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         self.compile_config: CompileConfig | None = CompileConfig() if compile is True else (compile or None)
         self.tensor_parallel_size = tensor_parallel_size
         self._tp: TPGroups | None = None
+        self._tp_layout: dict[str, tuple[int, int]] = {}
         self._compiled: ZeroCompileHandle | None = None
 
     # ---------------------------------------------------------------- ranks (launch and ranks: LaunchedParallelStrategy)
@@ -267,6 +270,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
                 self._recording.synchronize(None, 0)
                 self._recording.materialize_module(self.model)
             self._tp = apply_tensor_parallel(self.model, self.tensor_parallel_size)
+            self._tp_layout = tp_split_layout(self.model)  # for checkpoints: see [Note: sharded checkpoints with TP]
             metrics_to_group(self.model, self._tp.dp_group)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.model is None:
@@ -540,7 +544,17 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             return super().lightning_module_state_dict()
         if self._sharded():
             return {}  # written shard by shard in save_checkpoint
+        self._refuse_full_with_tp()
         return full_state_dict(self._engine, rank0_only=True)
+
+    def _refuse_full_with_tp(self) -> None:
+        if self._tp is not None:  # rank 0 would write its own tensor-parallel slices under the full names
+            raise ValueError(
+                "ZStackZero3Strategy(checkpoint=CheckpointPolicy(state_dict_type='full')) with tensor_parallel_size="
+                f"{self._tp.tp_size}: a full checkpoint of a tensor-parallel model is not supported. Use the default "
+                "sharded checkpoints (they resume at any data-parallel size) and `zlightning consolidate CKPT "
+                "model.pt` for one plain state dict"
+            )
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -568,6 +582,18 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         engine = self._engine
         if engine is None:
             raise AssertionError("sharded save without an engine")
+        if self._tp is not None:  # see [Note: sharded checkpoints with tensor parallelism] in zlightning.zero
+            save_sharded_tp(
+                engine,
+                self._attached,
+                filepath,
+                client,
+                tp_rank=self._tp.tp_rank,
+                tp_size=self._tp.tp_size,
+                layout=self._tp_layout,
+                save_full_weights=self.checkpoint.save_full_weights,
+            )
+            return
         save_sharded(engine, self._attached, filepath, client, save_full_weights=self.checkpoint.save_full_weights)
 
     def _save_full_durably(self, checkpoint: dict[str, Any], path: Path) -> None:
@@ -599,6 +625,24 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         weights_only = requested_weights_only(weights_only)  # see [Note: Lightning's weights_only after setup]
         if "://" not in str(checkpoint_path):
             checkpoint_path = resolve(checkpoint_path)  # see [Note: the name always resolves] in zlightning/_durable.py
+        if self.engine is not None and self._tp is not None and "://" not in str(checkpoint_path):
+            client = load_sharded_tp(
+                self._engine,
+                self._attached,
+                checkpoint_path,
+                tp_rank=self._tp.tp_rank,
+                tp_size=self._tp.tp_size,
+                weights_only=weights_only,
+            )
+            self._loaded_sharded = True
+            return client
+        if self.engine is not None and "://" not in str(checkpoint_path) and is_tp_checkpoint(checkpoint_path):
+            index = read_tp_index(checkpoint_path)
+            raise CheckpointError(
+                f"{checkpoint_path} was saved with tensor_parallel_size={index['tp']}; this run has none. Resume it "
+                "with ZStackZero3Strategy(tensor_parallel_size=...) of that size, or consolidate it (zlightning "
+                "consolidate CKPT model.pt) and load the weights with load_state_dict in configure_model"
+            )
         if self.engine is not None and is_sharded_checkpoint(checkpoint_path):
             client = load_sharded(self._engine, self._attached, checkpoint_path, weights_only=weights_only)
             self._loaded_sharded = True

@@ -47,7 +47,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -570,17 +570,11 @@ def consolidate(
     from zlightning.zero._export import StateDictWriter, TensorSpec
 
     ckpt_dir, out = resolve(ckpt_dir), Path(out)
-    meta = read_metadata(ckpt_dir)
-    world = int(meta["world_size"])
-    legacy = meta["version"] == 1 and (ckpt_dir / CLIENT).is_file()  # buffers in the client state
-    _verify_files(ckpt_dir, meta, [_rank_file(r) for r in range(world)] + ([CLIENT] if legacy else []))
-    payloads = [
-        load_file(ckpt_dir / _rank_file(r), weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN, mmap="shared")
-        for r in range(world)
-    ]
-    buffers: dict[str, Any] = dict(payloads[0].get(BUFFERS, {}))
-    if legacy:
-        buffers = load_file(ckpt_dir / CLIENT, weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN).get(BUFFERS, {})
+    from zlightning.zero._tp_checkpoint import consolidate_tp, is_tp_checkpoint
+
+    if is_tp_checkpoint(ckpt_dir):  # see [Note: sharded checkpoints with tensor parallelism]
+        return consolidate_tp(ckpt_dir, out, dtype=dtype, progress=progress, weights_only=weights_only)
+    meta, payloads, buffers = open_for_consolidation(ckpt_dir, weights_only)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t
@@ -593,26 +587,11 @@ def consolidate(
     specs += [
         TensorSpec((k,), tuple(v.shape), cast(v).dtype) for k, v in buffers.items() if isinstance(v, torch.Tensor)
     ]
-    groups = list(enumerate(meta["groups"]))
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            groups = tqdm(groups, desc=f"consolidating {ckpt_dir.name}", unit="group")
-        except ImportError:
-            pass
     writer = StateDictWriter(out, specs)
     try:
-        for gi, g in groups:
-            shard = -(-g["numel"] // world)
-            for p in g["params"]:
-
-                def saved_shard(r: int, gi: int = gi) -> torch.Tensor | None:
-                    return payloads[r]["shards"][gi]
-
-                full = _assemble(p["offset"], p["offset"] + p["numel"], shard, saved_shard, getattr(torch, g["dtype"]))
-                writer.write(p["fqns"][0], cast(full).view(p["shape"]))
-                del full
+        for p, full in full_parameters(meta, payloads, progress=progress, desc=f"consolidating {ckpt_dir.name}"):
+            writer.write(p["fqns"][0], cast(full))
+            del full
         for key, value in buffers.items():
             if isinstance(value, torch.Tensor):
                 writer.write(key, cast(value))
@@ -620,3 +599,46 @@ def consolidate(
         writer.abort()
         raise
     return writer.close()
+
+
+def open_for_consolidation(
+    ckpt_dir: Path, weights_only: bool | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """``meta.json``, every rank file (memory-mapped) and the buffers of a sharded checkpoint, files verified."""
+    meta = read_metadata(ckpt_dir)
+    world = int(meta["world_size"])
+    legacy = meta["version"] == 1 and (ckpt_dir / CLIENT).is_file()  # buffers in the client state
+    _verify_files(ckpt_dir, meta, [_rank_file(r) for r in range(world)] + ([CLIENT] if legacy else []))
+    payloads = [
+        load_file(ckpt_dir / _rank_file(r), weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN, mmap="shared")
+        for r in range(world)
+    ]
+    buffers: dict[str, Any] = dict(payloads[0].get(BUFFERS, {}))
+    if legacy:
+        buffers = load_file(ckpt_dir / CLIENT, weights_only=weights_only, opt_in=CONSOLIDATE_OPT_IN).get(BUFFERS, {})
+    return meta, payloads, buffers
+
+
+def full_parameters(
+    meta: Mapping[str, Any], payloads: Sequence[Mapping[str, Any]], *, progress: bool = False, desc: str = ""
+) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+    """Each saved parameter's metadata and full value (its saved dtype and shape), assembled from the rank slices one
+    at a time, in the saved order."""
+    world = int(meta["world_size"])
+    groups: Any = list(enumerate(meta["groups"]))
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            groups = tqdm(groups, desc=desc, unit="group")
+        except ImportError:
+            pass
+    for gi, g in groups:
+        shard = -(-g["numel"] // world)
+        for p in g["params"]:
+
+            def saved_shard(r: int, gi: int = gi) -> torch.Tensor | None:
+                return payloads[r]["shards"][gi]
+
+            full = _assemble(p["offset"], p["offset"] + p["numel"], shard, saved_shard, getattr(torch, g["dtype"]))
+            yield p, full.view(p["shape"])
