@@ -8,6 +8,9 @@
   its own forward) tied to the head, a small auxiliary embedding, and attention whose head count is ``self.heads``;
   and on ``nn.TransformerEncoder`` (attention replicated, MLPs split), in inference under ``no_grad`` too (PyTorch's
   fast path); a model with nothing to split says so;
+* a GPT-NeoX-style block (parallel residual; a head-major fused ``query_key_value`` whose attention infers its head
+  count from the width, and ``dense`` after it) splits whole heads and equals one process (its ``dense`` was taken
+  for a column layer and ``query_key_value`` was cut as ``[q; k; v]``, mixing heads);
 * attention that cannot be split safely is refused with an error naming the module and the plan that works: heads
   under an unrecognised layout, and key/value heads (read from the module's ``config`` as Hugging Face keeps them)
   that the TP size does not divide.
@@ -261,3 +264,82 @@ def test_attention_that_cannot_be_split_safely_is_refused_with_the_plan_that_wor
     net = Net(Block(gqa, _plain_mlp()))
     with pytest.raises(InjectError, match="num_key_value_heads=1 is not divisible by tp_size=2"):
         validate_tp(net, classify_linears(net, policy), 2)
+
+
+class HeadMajorAttention(nn.Module):
+    """GPT-NeoX's layout: ``query_key_value`` rows head by head (``[q_h; k_h; v_h]``), the head count read from the
+    width, the output projection named ``dense``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_size = D // 4
+        self.query_key_value = nn.Linear(D, 3 * D)
+        self.dense = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.query_key_value(x).view(B, T, -1, 3 * self.head_size).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class NeoXMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense_h_to_4h, self.dense_4h_to_h = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class NeoXBlock(nn.Module):
+    """Registered as GPT-NeoX registers them: both norms, then the attention, then the MLP (parallel residual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attention, self.mlp = HeadMajorAttention(), NeoXMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.input_layernorm(x)) + self.mlp(self.post_attention_layernorm(x))
+
+
+class NeoXLM(nn.Module):
+    def __init__(self, vocab: int = 32) -> None:
+        super().__init__()
+        self.embed_in = nn.Embedding(vocab, D)
+        self.layers = nn.ModuleList(NeoXBlock() for _ in range(2))
+        self.embed_out = nn.Linear(D, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed_in(idx)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.embed_out(x)
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _neox_rank(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    ref = NeoXLM()
+    tp = copy.deepcopy(ref)
+    module_inject(tp, InjectPolicy(tp_size=2, inject_kernels=False), tp_group=build_tp_groups(2).tp_group)
+    assert tp.layers[0].attention.query_key_value.chunks == 1  # whole heads, not a [q; k; v] split
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))] * 3
+    want, got = _train(ref, batches, True), _train(tp, batches, False)
+    for step, (w, g) in enumerate(zip(want, got)):
+        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
+        for n in w["params"]:
+            torch.testing.assert_close(g["params"][n], w["params"][n], rtol=1e-5, atol=1e-6, msg=f"{step} {n}")
+    return True
+
+
+def test_neox_style_head_major_attention_splits_whole_heads() -> None:
+    styles = classify_linears(NeoXLM(), InjectPolicy(tp_size=2))
+    assert styles["layers.0.attention.query_key_value"].value == "column"
+    assert styles["layers.0.attention.dense"].value == "row"
+    assert styles["layers.0.mlp.dense_h_to_4h"].value == "column"
+    assert styles["layers.0.mlp.dense_4h_to_h"].value == "row"
+    assert run_distributed(_neox_rank, 2, timeout=240) == [True, True]

@@ -46,7 +46,10 @@ _COL_NAMES = {
     "value",
     "dense_h_to_4h",
 }
-_QKV_NAMES = {"qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "query_key_value"}
+_QKV_NAMES = {"qkv", "c_attn", "wqkv", "qkv_proj", "in_proj"}
+_HEAD_MAJOR_QKV_NAMES = {"query_key_value"}
+"""Fused projections laid out head by head (Megatron, GPT-NeoX, BLOOM: the rows of head ``h`` are its q, k and v), so
+a plain column split hands each rank whole heads: see [Note: head-major fused projections]."""
 _HEAD_NAMES = {"lm_head", "head", "embed_out", "output"}
 
 
@@ -102,9 +105,26 @@ def _block_styles(prefix: str, block: nn.Module, hidden: set[int]) -> dict[str, 
         fused = linear.out_features == 3 * linear.in_features and (
             leaf in _QKV_NAMES or any(isinstance(getattr(parent, a, None), int) for a in HEAD_ATTRS)
         )
-        if style is LinearStyle.COLUMN and fused:
+        if leaf in _HEAD_MAJOR_QKV_NAMES:
+            style = LinearStyle.COLUMN  # see [Note: head-major fused projections]
+        elif style is LinearStyle.COLUMN and fused:
             style = LinearStyle.QKV
         styles[f"{prefix}.{name}"] = style
+    # [Note: head-major fused projections]
+    # Megatron's ``query_key_value`` (GPT-NeoX, BLOOM) orders its rows head by head, ``[q_h; k_h; v_h]`` for each head
+    # ``h``, and its attention views the output as ``(..., heads, 3 * head_dim)``. A plain column split then gives each
+    # rank whole heads with their q, k and v (the attention infers the local head count from the width), whereas the
+    # ``[q; k; v]`` split of `LinearStyle.QKV` would mix heads: it is a column layer. The attention's output projection
+    # (the last Linear beside it, ``dense``) is row-parallel, whatever follows it in the block (a parallel-residual
+    # block runs its MLP next, which the structure rule would take for the row layer's successor).
+    for name, linear in block.named_modules():
+        if not (isinstance(linear, nn.Linear) and "." in name):
+            continue
+        parent_name = name.rsplit(".", 1)[0]
+        siblings = [c for c, m in block.get_submodule(parent_name).named_children() if isinstance(m, nn.Linear)]
+        fused_here = [c for c in siblings if c.lower() in _QKV_NAMES | _HEAD_MAJOR_QKV_NAMES]
+        if fused_here and siblings[-1] == name.rsplit(".", 1)[1] and siblings[-1] not in fused_here:
+            styles[f"{prefix}.{name}"] = LinearStyle.ROW
     return styles
 
 
