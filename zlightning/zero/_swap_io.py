@@ -3,13 +3,23 @@
 [Note: swap folder lifecycle]
 Each rank swaps into ``<path>/zlightning_swap/run-<run id>-rank<r>/`` (the run id is chosen by rank 0 and
 broadcast), with an ``owner.json`` naming the host, pid and the process start time. The folder is removed when the
-engine closes (normal exit, the strategy's teardown after an exception), at interpreter exit (``atexit``) and on
-SIGTERM. A SIGKILL leaves it behind: the next run on the same path finds folders whose owner is gone (same host,
+engine closes (normal exit, the strategy's teardown after an exception), at process exit and on SIGTERM. A SIGKILL leaves it behind: the next run on the same path finds folders whose owner is gone (same host,
 pid dead or reused by another process) and removes them with a warning, or refuses to start
 (``NVMeOffload(stale_files="error")``). Folders owned by live processes or other hosts are never touched.
 Swap files hold the run's model and optimizer state, which other local users must not read: ``zlightning_swap`` and
 the run folders are created with mode 0o700 and the files with 0o600, whatever the umask, and a ``zlightning_swap``
 that belongs to another user is refused (its owner could replace our run folder by one of theirs before we write).
+
+[Note: cleanup at process exit]
+"Process exit" has two doors. An interpreter that finalises runs ``atexit`` (``python train.py``, Lightning's
+``popen`` ranks, torchrun, and spawned ranks: see `_exit_like_a_forked_rank` in ``strategies/_launch.py``). A
+process that ``multiprocessing`` started by ``fork`` or ``forkserver`` (``ZStackZero3Strategy(start_method="fork")``
+in a notebook, test harnesses) ends with ``os._exit`` once its target returns: ``atexit`` never runs there, only
+``multiprocessing``'s own finalizers, so the cleanup is registered with both (per process: a forked child inherits
+neither the parent's finalizers nor, here, its folders). The module after ``fit`` stays sharded with its
+optimizer state in the folder, so without the second door every forked run left its whole state on disk until the
+next run on the path found it stale. ``_close_all`` closes only folders this process opened: a forked child (a
+DataLoader worker) inherits the list and the SIGTERM handler, and must not delete its parent's live state.
 
 [Note: SIGTERM]
 The handler is chained, not replacing: when a previous Python handler exists (Lightning installs one that finishes
@@ -33,6 +43,7 @@ import ctypes
 import errno
 import json
 import logging
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -248,11 +259,13 @@ class SwapDirectory:
     root: Path
     path: Path  # <root>/zlightning_swap/run-<id>-rank<r>
     closed: bool
+    pid: int  # the process that opened it (only that one removes it at exit: see [Note: cleanup at process exit])
 
     def __init__(self, root: Path, run_id: str, rank: int) -> None:
         self.root = root
         self.path = root / SWAP_ROOT / f"run-{run_id}-rank{rank}"
         self.closed = True
+        self.pid = -1
 
     def open(self, stale_files: str) -> None:
         """Handles stale folders of crashed runs, then creates this rank's folder and registers its cleanup.
@@ -270,6 +283,7 @@ class SwapDirectory:
         (staging / "owner.json").write_text(json.dumps(owner))
         os.replace(staging, self.path)
         self.closed = False
+        self.pid = os.getpid()
         _register(self)
 
     def _handle_stale(self, policy: str) -> None:
@@ -347,17 +361,18 @@ def _remove_tree(folder: Path) -> None:
 
 _LIVE: dict[int, SwapDirectory] = {}
 _LOCK = threading.Lock()
-_HOOKS_INSTALLED = False
+_HOOKS_PID = -1  # the process whose exit hooks are installed (a forked child installs its own)
 _PREVIOUS_SIGTERM: Any = None
 
 
 def _register(folder: SwapDirectory) -> None:
-    global _HOOKS_INSTALLED, _PREVIOUS_SIGTERM
+    global _HOOKS_PID, _PREVIOUS_SIGTERM
     with _LOCK:
         _LIVE[id(folder)] = folder
-        if not _HOOKS_INSTALLED:
-            _HOOKS_INSTALLED = True
+        if os.getpid() != _HOOKS_PID:  # see [Note: cleanup at process exit]
+            _HOOKS_PID = os.getpid()
             atexit.register(_close_all)
+            multiprocessing.util.Finalize(None, _close_all, exitpriority=100)
     # (Re-)install when someone (e.g. Lightning's teardown restoring its originals) replaced the handler.
     if threading.current_thread() is threading.main_thread():
         current = signal.getsignal(signal.SIGTERM)
@@ -372,8 +387,11 @@ def _unregister(folder: SwapDirectory) -> None:
 
 
 def _close_all() -> None:
+    """Removes the folders this process opened (see [Note: cleanup at process exit])."""
+    me = os.getpid()
     for folder in list(_LIVE.values()):
-        folder.close()
+        if folder.pid == me:
+            folder.close()
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
