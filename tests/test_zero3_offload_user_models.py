@@ -1,5 +1,5 @@
-"""NVMe optimizer offload through ``Trainer.fit`` on users' own models (2 gloo ranks): swap folders of ranks that
-``multiprocessing`` forks. Real processes, real swap files."""
+"""CPU and NVMe optimizer offload through ``Trainer.fit`` on users' own models (2 gloo ranks), against one process:
+parameters of several dtypes; swap folders of ranks that ``multiprocessing`` forks. Real processes, real swap files."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -61,6 +62,85 @@ def _optimizer(params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
 def _data() -> torch.Tensor:
     """``STEPS`` global batches of 4 sequences, rank-major within each batch."""
     return torch.randint(0, V, (STEPS * 4, T + 1), generator=torch.Generator().manual_seed(1))
+
+
+def _reference(odd_dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
+    net = _Net(odd_dtype)
+    opt = _optimizer(list(net.named_parameters()))
+    losses = []
+    for batch in _data().chunk(STEPS):
+        loss = _loss(net, batch)
+        losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _fit(rank: int, world: int, root: str, odd_dtype: torch.dtype) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+    from zlightning.strategies import ZStackZero3Strategy
+
+    import zlightning  # noqa: F401
+    from tests._lightning_models import state_after_fit
+    from zlightning.zero import NVMeOffload
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Net(odd_dtype)
+            self.losses: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = _loss(self.net, batch[0])
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return _optimizer(list(self.named_parameters()))
+
+    micro = 4 // world
+    mine = torch.cat([b[rank * micro : (rank + 1) * micro] for b in _data().chunk(STEPS)])
+    out = {}
+    for kind in ("cpu", "nvme"):
+        swap = os.path.join(root, "swap")
+        strategy: Any = (
+            "zstack_zero3_offload"
+            if kind == "cpu"
+            else ZStackZero3Strategy(offload_optimizer=NVMeOffload(path=swap, buffer_size=1024, buffer_count=6))
+        )
+        module = Module()
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=world,
+            max_steps=STEPS,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(TensorDataset(mine), batch_size=micro))
+        out[kind] = {"losses": module.losses, "state": state_after_fit(module, "net.")}
+    return out
+
+
+@pytest.mark.parametrize("odd_dtype", [torch.float64], ids=["float64"])
+def test_offload_steps_parameters_of_other_dtypes_like_torch_adam(tmp_path: Path, odd_dtype: torch.dtype) -> None:
+    """A block kept in float64 under 32-true: its Adam state and update are float64, as torch's (the offloaded step
+    used to refuse it in the CPU Adam kernel, or keep float32 state without the kernel)."""
+    ref_losses, ref_state = _reference(odd_dtype)
+    out = run_distributed(_fit, 2, str(tmp_path), odd_dtype, init_process_group=False, timeout=120)
+    for kind in ("cpu", "nvme"):
+        mean = [(a + b) / 2 for a, b in zip(out[0][kind]["losses"], out[1][kind]["losses"])]
+        torch.testing.assert_close(mean, ref_losses, rtol=1e-5, atol=1e-6, msg=kind)
+        for got in (out[0][kind], out[1][kind]):
+            for name, value in ref_state.items():
+                assert got["state"][name].dtype == value.dtype, (kind, name)
+                torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-6, msg=f"{kind} {name}")
+    assert not [f for d, _, fs in os.walk(tmp_path) for f in fs], "swap files left after the ranks exited"
 
 
 def _fit_nvme(rank: int, world: int, root: str) -> list[str]:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["ZeroOffload", "close_swap_files"]
 
 
-def _fp32_bytes(numel: int) -> int:
-    return aligned_numel(numel, torch.float32) * 4
+def _state_bytes(numel: int, dtype: torch.dtype) -> int:
+    return aligned_numel(numel, dtype) * dtype.itemsize
 
 
 class ZeroOffload:
@@ -82,7 +82,7 @@ class ZeroOffload:
                 folder, direct = by_root[key]
                 if which == "optimizer":
                     self.optimizer_swapper = Swapper(
-                        policy, folder, direct, pin=self.pin, nbytes=_fp32_bytes(self.sub_group_numel)
+                        policy, folder, direct, pin=self.pin, nbytes=max(self.sub_group_nbytes(), 1)
                     )
                 else:
                     from zlightning.zero._offload_params import ParamOffloader
@@ -93,15 +93,22 @@ class ZeroOffload:
             raise
 
     # ---------------------------------------------------------------- sizing
-    @property
-    def sub_group_numel(self) -> int:
-        """Elements per optimizer sub-group, aligned: ``buffer_size``, or the largest trainable shard when that is
-        smaller (a sub-group never spans two groups, so larger buffers would only hold untouched pages)."""
+    def sub_group_numel_of(self, group: ZeroParamGroup) -> int:
+        """Elements per optimizer sub-group of ``group``, aligned: ``buffer_size``, or its whole shard when that is
+        smaller (a sub-group never spans two groups, so larger buffers would only hold untouched pages). 0 without
+        NVMe optimizer offload."""
         policy = self.optimizer_policy
         if not isinstance(policy, NVMeOffload):
             return 0
-        largest = max((g.shard_numel for g in self.state.groups if g.requires_grad), default=1)
-        return aligned_numel(min(policy.buffer_size, max(largest, 1)), torch.float32)
+        return aligned_numel(min(policy.buffer_size, max(group.shard_numel, 1)), group.master_dtype)
+
+    def sub_group_nbytes(self) -> int:
+        """Bytes of one pool buffer: one state tensor of the largest sub-group, in its group's dtype (see [Note:
+        optimizer state in the parameter's dtype] in ``_offload_optimizer.py``)."""
+        return max(
+            (self.sub_group_numel_of(g) * g.master_dtype.itemsize for g in self.state.groups if g.requires_grad),
+            default=0,
+        )
 
     def offloaded_param_groups(self) -> list[ZeroParamGroup]:
         return [g for g in self.state.groups if not g.persistent]
@@ -113,12 +120,14 @@ class ZeroOffload:
         out: dict[str, int] = {}
         opt = self.optimizer_policy
         if isinstance(opt, NVMeOffload):
-            sub = self.sub_group_numel
             per = 0
             for g in self.state.groups:
                 if g.requires_grad:
+                    sub = self.sub_group_numel_of(g)
                     full, rest = divmod(g.shard_numel, sub)
-                    per += full * _fp32_bytes(sub) + (_fp32_bytes(rest) if rest else 0)
+                    per += full * _state_bytes(sub, g.master_dtype) + (
+                        _state_bytes(rest, g.master_dtype) if rest else 0
+                    )
             key = str(opt.resolved_path())
             out[key] = out.get(key, 0) + per * len(self.optimizer_state_names())
         par = self.param_policy

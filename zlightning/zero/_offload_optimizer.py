@@ -48,7 +48,14 @@ The update is torch's single-tensor Adam/AdamW, operation for operation (``lerp_
 corrections from a per-parameter step count), so results match ``torch.optim.Adam(W)`` on the unsharded model
 bitwise. Hyper-parameters are read from the user's optimizer's ``param_groups`` at every step (LR schedulers keep
 working), and parameters of different groups or step counts are stepped as separate segments. When
-``zlightning.kernels.CPUAdam`` is built it replaces the per-segment update (vectorised, same math).
+``zlightning.kernels.CPUAdam`` is built it replaces the per-segment update of float32 state (vectorised, same math).
+
+[Note: optimizer state in the parameter's dtype]
+torch's Adam keeps ``exp_avg``/``exp_avg_sq`` in the parameter's dtype (``zeros_like``) and does its math there. A
+group's master is its parameters' own dtype (float32 under every ``Trainer(precision=...)``, but a model may keep
+float64 or bfloat16 parameters of its own), so each sub-group's state, gradient and update use that dtype too: float32
+groups through the kernel when built, others through ``torch_adam``. With NVMe a sub-group holds ``buffer_size``
+elements of its dtype and a pool buffer is sized for the widest one.
 """
 
 from __future__ import annotations
@@ -156,6 +163,12 @@ class _SubGroup:
     swapped: dict[str, SwapTensor]
     host: dict[str, torch.Tensor]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its state, gradient and update: its parameters' (see [Note: optimizer state in the
+        parameter's dtype])."""
+        return self.group.master_dtype
+
     def tensors(self) -> list[SwapTensor]:
         return list(self.swapped.values())
 
@@ -207,11 +220,11 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _plan(self) -> list[_SubGroup]:
         names = self.offload.optimizer_state_names()
         swapper = self.offload.optimizer_swapper
-        size = self.offload.sub_group_numel
         out = []
         for gi, g in enumerate(self.engine.groups):
             if not g.requires_grad:
                 continue
+            size, dtype = self.offload.sub_group_numel_of(g), g.master_dtype
             base = g.rank * g.shard_numel
             spans = [(zp, zp.local_start - base, zp.local_end - base) for zp in g.params if zp.local_numel]
             step = size if swapper is not None else max(g.shard_numel, 1)
@@ -223,10 +236,10 @@ class OffloadedAdam(torch.optim.Optimizer):
                     if swapper is not None:
                         path = swapper.folder.file(f"optim_group{gi}_{name}.swp")
                         swapped[name] = SwapTensor(
-                            f"group {gi} {name}[{lo}:{hi}]", path, k * size * 4, hi - lo, torch.float32
+                            f"group {gi} {name}[{lo}:{hi}]", path, k * size * dtype.itemsize, hi - lo, dtype
                         )
                     else:
-                        host[name] = torch.zeros(hi - lo, dtype=torch.float32, pin_memory=self.offload.pin)
+                        host[name] = torch.zeros(hi - lo, dtype=dtype, pin_memory=self.offload.pin)
                 if "master" in host:
                     host["master"].copy_(g.shard[lo:hi])
                 out.append(_SubGroup(g, lo, hi, pieces, swapped, host))
@@ -287,15 +300,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         grad = parts[0] if len(parts) == 1 else torch.cat(parts)
         if g.grad is not None and len(parts) > 1 and all(_views(x, g.grad) for x in parts):
             grad = g.grad[lo:hi]  # the usual case: one contiguous slice, no copy
-        return grad.to("cpu", torch.float32) if grad.device.type != "cpu" or grad.dtype != torch.float32 else grad
+        return grad.to("cpu", sg.dtype) if grad.device.type != "cpu" or grad.dtype != sg.dtype else grad
 
     def _compute(self, sg: _SubGroup, segs: list[Any]) -> None:
         master = self._tensor(sg, "master") if self.offload.master_on_host else sg.group.shard[sg.lo : sg.hi]
         m, v = self._tensor(sg, "exp_avg"), self._tensor(sg, "exp_avg_sq")
+        adam = self._adam if sg.dtype == torch.float32 else torch_adam  # the kernel steps float32 state
         with torch.no_grad():
             for a, b, h, members in segs:
                 i, j = a - sg.lo, b - sg.lo
-                self._adam(master[i:j], self._grad(sg, members, a, b), m[i:j], v[i:j], h, self.adamw)
+                adam(master[i:j], self._grad(sg, members, a, b), m[i:j], v[i:j], h, self.adamw)
             if self.offload.master_on_host:
                 # A pool buffer is reused as soon as its write finishes: copy from it synchronously. A CPUOffload
                 # master is a pinned host tensor of its own, so that copy overlaps (the next step's backward
@@ -547,7 +561,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         out = {}
         for name, t in sg.swapped.items():
             if t.state is SwapState.ON_DEVICE:
-                out[name] = torch.zeros(t.numel) if name != "master" else sg.group.shard[sg.lo : sg.hi].float().cpu()
+                out[name] = (
+                    torch.zeros(t.numel, dtype=t.dtype) if name != "master" else sg.group.shard[sg.lo : sg.hi].cpu()
+                )
                 continue
             swapper.read(t)
             swapper.wait_reads()
@@ -596,11 +612,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def _empty_entry(self, zp: ZeroParam) -> dict[str, Any]:
-        n = zp.local_numel
+        n, dtype = zp.local_numel, zp.piece.dtype
         return {
             "step": torch.tensor(float(self._steps[zp.index])),
-            "exp_avg": torch.zeros(n),
-            "exp_avg_sq": torch.zeros(n),
+            "exp_avg": torch.zeros(n, dtype=dtype),
+            "exp_avg_sq": torch.zeros(n, dtype=dtype),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -621,7 +637,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._read_all(sg)
                 if self._steps_any(sg)
                 else {
-                    k: (sg.group.shard[sg.lo : sg.hi].float().cpu() if k == "master" else torch.zeros(sg.hi - sg.lo))
+                    k: (
+                        sg.group.shard[sg.lo : sg.hi].cpu()
+                        if k == "master"
+                        else torch.zeros(sg.hi - sg.lo, dtype=sg.dtype)
+                    )
                     for k in self.offload.optimizer_state_names()
                 }
             )
