@@ -343,3 +343,68 @@ def test_neox_style_head_major_attention_splits_whole_heads() -> None:
     assert styles["layers.0.mlp.dense_h_to_4h"].value == "column"
     assert styles["layers.0.mlp.dense_4h_to_h"].value == "row"
     assert run_distributed(_neox_rank, 2, timeout=240) == [True, True]
+
+
+class MaskAttention(nn.Module):
+    """OPT's layout: a forward taking a mask (so it cannot be rebuilt on SDPA) and viewing by ``self.num_heads``
+    with the sequence length inferred; ``fixed_width`` reshapes its output to ``self.embed_dim`` instead of -1."""
+
+    def __init__(self, fixed_width: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.embed_dim, self.fixed_width = 4, D // 4, D, fixed_width
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        B, T, _ = x.shape
+        q, k, v = (
+            p(x).view(B, -1, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None)
+        out = out.transpose(1, 2).reshape(B, T, self.embed_dim if self.fixed_width else -1)
+        return self.out_proj(out), None
+
+
+class MaskBlock(nn.Module):
+    def __init__(self, fixed_width: bool = False) -> None:
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(D), MaskAttention(fixed_width), _plain_mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))[0]
+        return x + self.mlp(x)
+
+
+class MaskLM(NeoXLM):
+    def __init__(self, fixed_width: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MaskBlock(fixed_width) for _ in range(2))
+
+
+def _mask_attention_rank(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    ref = MaskLM()
+    tp = copy.deepcopy(ref)
+    module_inject(tp, InjectPolicy(tp_size=2, inject_kernels=False), tp_group=build_tp_groups(2).tp_group)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))] * 3
+    want, got = _train(ref, batches, True), _train(tp, batches, False)
+    for step, (w, g) in enumerate(zip(want, got)):
+        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
+        for n in w["params"]:
+            torch.testing.assert_close(g["params"][n], w["params"][n], rtol=1e-5, atol=1e-6, msg=f"{step} {n}")
+    try:
+        module_inject(MaskLM(fixed_width=True), InjectPolicy(tp_size=2), tp_group=build_tp_groups(2).tp_group)
+        refused = None
+    except InjectError as err:
+        refused = str(err)
+    return {"heads": tp.layers[0].attn.num_heads, "refused": refused}
+
+
+def test_attention_taking_a_mask_splits_its_own_heads() -> None:
+    """An attention that cannot be rebuilt on SDPA (it takes a mask) but runs on a rank's heads once its
+    ``num_heads`` holds the local count is split, and equals one process; one whose forward keeps the full width is
+    still refused (checked on a probe, not assumed)."""
+    for r in run_distributed(_mask_attention_rank, 2, timeout=240):
+        assert r["heads"] == 2
+        assert r["refused"] is not None and "could not be rebuilt" in r["refused"], r["refused"]

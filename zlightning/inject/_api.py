@@ -8,6 +8,7 @@ attention, MLP and norm is left as it is, and nothing is said about fusing them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import re
@@ -18,7 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zlightning.inject._classify import HEAD_ATTRS, classify_linears, shardable_embedding, validate_tp
+from zlightning.inject._classify import (
+    HEAD_ATTRS,
+    KV_HEAD_ATTRS,
+    classify_linears,
+    shardable_embedding,
+    validate_tp,
+)
 from zlightning.inject._layers import (
     ColumnParallelLinear,
     FusedSelfAttention,
@@ -27,6 +34,7 @@ from zlightning.inject._layers import (
     ShardMemo,
     probe_equal,
     probe_equal_training,
+    tp_slice,
 )
 from zlightning.inject._mlp import FusedMLP, fused_mlp_for
 from zlightning.inject._norms import fused_norm_for, norm_candidates
@@ -281,6 +289,15 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
         sharded = any(styles.get(f"{name}.{n}") not in (None, LinearStyle.REPLICATE) for n in (*qkv, out))
         if not policy.inject_kernels and not sharded:
             continue  # See [Note: tensor parallelism alone is silent about kernels].
+        local = (
+            _splits_heads_itself(module, qkv, out, styles, name, policy.tp_size, example, policy.probe_atol)
+            if replacement is None and required and sharded
+            else None
+        )
+        if local is not None:  # its own forward runs on a rank's heads: see [Note: attention that splits its own heads]
+            for attr, value in local.items():
+                setattr(module, attr, value)
+            continue
         if replacement is None:
             if required and sharded:
                 why = kept_because or "outputs differ on a probe, in eval or in training mode"
@@ -295,6 +312,96 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
                 warnings.warn(f"module_inject: {name} kept as is ({why})", stacklevel=3)
             continue
         _set_submodule(model, name, replacement)
+
+
+def _first_tensor(out: object) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _splits_heads_itself(
+    module: nn.Module,
+    qkv: tuple[str, ...],
+    out: str,
+    styles: dict[str, LinearStyle],
+    name: str,
+    tp: int,
+    example: torch.Tensor,
+    atol: float,
+) -> dict[str, int] | None:
+    """The head-count attributes with which ``module``'s own forward computes the attention of one TP rank's heads
+    (``{}``: none to change), or None when it cannot.
+
+    [Note: attention that splits its own heads]
+    An attention module that cannot be rebuilt on `FusedSelfAttention` (its forward takes a mask or a cache, as
+    Hugging Face's OPT attention does) may still run on a rank's heads by itself: a forward that reads the head
+    count from the projection's width (``view(..., -1, head_dim)``) as it is, and one that reads ``self.num_heads``
+    once that attribute holds the local count (what DeepSpeed's AutoTP changes too). That is checked, not assumed:
+    for every TP rank, a copy holding that rank's slices (its heads of the query/key/value projections, the
+    matching input columns of the output projection, the output bias on one rank only) runs on a probe in eval mode,
+    first as it is, then with its head-count attributes divided by the TP size, and the copies' outputs must add up
+    to the module's. Otherwise the module is refused as before.
+    """
+    if tp < 2 or any(f"{name}.{n}" not in styles for n in qkv):
+        return None
+    counts = {
+        a: v
+        for a in HEAD_ATTRS + KV_HEAD_ATTRS
+        if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool) and v % tp == 0
+    }
+    for local in ({}, {a: v // tp for a, v in counts.items()}) if counts else ({},):
+        if _sums_to_module(module, qkv, out, styles, name, tp, example, atol, local):
+            return local
+    return None
+
+
+def _sums_to_module(
+    module: nn.Module,
+    qkv: tuple[str, ...],
+    out: str,
+    styles: dict[str, LinearStyle],
+    name: str,
+    tp: int,
+    example: torch.Tensor,
+    atol: float,
+    local: dict[str, int],
+) -> bool:
+    """One try of [Note: attention that splits its own heads], with the attributes ``local`` set on the copies."""
+    mode = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            want = _first_tensor(module(example))
+            total: torch.Tensor | None = None
+            for rank in range(tp):
+                part = copy.deepcopy(module)
+                for attr, value in local.items():
+                    setattr(part, attr, value)
+                parts = dict(part.named_children())
+                for n in qkv:
+                    chunks = 3 if styles[f"{name}.{n}"] is LinearStyle.QKV else 1
+                    lin = parts[n]
+                    lin.weight = nn.Parameter(tp_slice(lin.weight, 0, chunks, rank, tp).clone())
+                    if lin.bias is not None:
+                        lin.bias = nn.Parameter(tp_slice(lin.bias, 0, chunks, rank, tp).clone())
+                    lin.out_features = lin.weight.shape[0]
+                o = parts[out]
+                o.weight = nn.Parameter(tp_slice(o.weight, 1, 1, rank, tp).clone())
+                o.in_features = o.weight.shape[1]
+                if o.bias is not None and rank > 0:
+                    o.bias = nn.Parameter(torch.zeros_like(o.bias))
+                got = _first_tensor(part(example))
+                if got is None or want is None or got.shape != want.shape:
+                    return False
+                total = got if total is None else total + got
+    except Exception:  # noqa: BLE001 - a forward that cannot run on a rank's heads is refused
+        return False
+    finally:
+        module.train(mode)
+    return total is not None and want is not None and torch.allclose(total, want, atol=atol, rtol=1e-4)
 
 
 def _takes_one_input(module: nn.Module) -> bool:
