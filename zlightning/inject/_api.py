@@ -212,7 +212,9 @@ def _attention_parts(module: nn.Module) -> tuple[tuple[str, ...], str, int] | No
     return None if qkv is None else (qkv, out, heads)
 
 
-def _check_unrecognised_attention(name: str, module: nn.Module, styles: dict[str, LinearStyle]) -> None:
+def _check_unrecognised_attention(
+    name: str, module: nn.Module, styles: dict[str, LinearStyle], policy: InjectPolicy
+) -> None:
     """Refuses to shard an attention module (it has a head-count attribute) whose projections were not recognised.
 
     Its own forward would split the sharded width into the full head count (``x.view(B, T, self.heads, -1)``)
@@ -230,6 +232,15 @@ def _check_unrecognised_attention(name: str, module: nn.Module, styles: dict[str
             return
     prefix = f"{name}." if name else ""
     sharded = [n for n, s in styles.items() if n.startswith(prefix) and s is not LinearStyle.REPLICATE]
+    cuts = _cuts(module, name, styles) if sharded else None
+    if cuts:  # its forward may read the head count from the width: see [Note: attention that splits its own heads]
+        width = module.get_submodule(next(iter(cuts))).in_features
+        example = _probe_input(width, next(module.parameters()).dtype, next(module.parameters()).device)
+        local = _splits_heads_itself(module, cuts, policy.tp_size, example, policy.probe_atol)
+        if local is not None:
+            for attr, value in local.items():
+                setattr(module, attr, value)
+            return
     if sharded:
         raise InjectError(
             f"{name} ({type(module).__name__}) has attention heads but its query/key/value and output projections "
@@ -244,7 +255,7 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
         parts = _attention_parts(module)
         if parts is None and required and not isinstance(module, FusedSelfAttention):
             automatic = {n: s for n, s in styles.items() if not any(re.fullmatch(p, n) for p in policy.plan)}
-            _check_unrecognised_attention(name, module, automatic)
+            _check_unrecognised_attention(name, module, automatic, policy)
         if parts is None or isinstance(module, FusedSelfAttention) or module is model:  # the root cannot be swapped
             continue
         qkv, out, heads = parts
@@ -289,11 +300,8 @@ def _inject_attention(model: nn.Module, styles: dict[str, LinearStyle], policy: 
         sharded = any(styles.get(f"{name}.{n}") not in (None, LinearStyle.REPLICATE) for n in (*qkv, out))
         if not policy.inject_kernels and not sharded:
             continue  # See [Note: tensor parallelism alone is silent about kernels].
-        local = (
-            _splits_heads_itself(module, qkv, out, styles, name, policy.tp_size, example, policy.probe_atol)
-            if replacement is None and required and sharded
-            else None
-        )
+        cuts = _cuts(module, name, styles) if replacement is None and required and sharded else None
+        local = _splits_heads_itself(module, cuts, policy.tp_size, example, policy.probe_atol) if cuts else None
         if local is not None:  # its own forward runs on a rank's heads: see [Note: attention that splits its own heads]
             for attr, value in local.items():
                 setattr(module, attr, value)
@@ -322,30 +330,42 @@ def _first_tensor(out: object) -> torch.Tensor | None:
     return None
 
 
+def _cuts(module: nn.Module, name: str, styles: dict[str, LinearStyle]) -> dict[str, tuple[int, int]] | None:
+    """How TP slices the direct Linear children of ``module``: ``{child: (dim, chunks)}`` (None: a sharded Linear
+    sits deeper, where a copy of the module cannot be cut)."""
+    prefix = f"{name}." if name else ""
+    cuts = {}
+    for child, lin in module.named_children():
+        style = styles.get(prefix + child, LinearStyle.REPLICATE)
+        if isinstance(lin, nn.Linear) and style in (LinearStyle.COLUMN, LinearStyle.QKV, LinearStyle.ROW):
+            cuts[child] = (1, 1) if style is LinearStyle.ROW else (0, 3 if style is LinearStyle.QKV else 1)
+    deeper = [
+        n
+        for n, s in styles.items()
+        if n.startswith(prefix) and "." in n[len(prefix) :] and s is not LinearStyle.REPLICATE
+    ]
+    return None if deeper or not cuts else cuts
+
+
 def _splits_heads_itself(
-    module: nn.Module,
-    qkv: tuple[str, ...],
-    out: str,
-    styles: dict[str, LinearStyle],
-    name: str,
-    tp: int,
-    example: torch.Tensor,
-    atol: float,
+    module: nn.Module, cuts: dict[str, tuple[int, int]], tp: int, example: torch.Tensor, atol: float
 ) -> dict[str, int] | None:
     """The head-count attributes with which ``module``'s own forward computes the attention of one TP rank's heads
     (``{}``: none to change), or None when it cannot.
 
     [Note: attention that splits its own heads]
     An attention module that cannot be rebuilt on `FusedSelfAttention` (its forward takes a mask or a cache, as
-    Hugging Face's OPT attention does) may still run on a rank's heads by itself: a forward that reads the head
-    count from the projection's width (``view(..., -1, head_dim)``) as it is, and one that reads ``self.num_heads``
-    once that attribute holds the local count (what DeepSpeed's AutoTP changes too). That is checked, not assumed:
-    for every TP rank, a copy holding that rank's slices (its heads of the query/key/value projections, the
-    matching input columns of the output projection, the output bias on one rank only) runs on a probe in eval mode,
-    first as it is, then with its head-count attributes divided by the TP size, and the copies' outputs must add up
-    to the module's. Otherwise the module is refused as before.
+    Hugging Face's OPT attention does; or its output projection lives elsewhere, as BERT's does) may still run on a
+    rank's heads by itself: a forward that reads the head count from the projection's width (``view(..., -1,
+    head_dim)``) as it is, and one that reads ``self.num_heads`` once that attribute holds the local count (what
+    DeepSpeed's AutoTP changes too). That is checked, not assumed: for every TP rank, a copy holding that rank's
+    slices (its heads of the query/key/value projections and, when the module has one, the matching input columns
+    of its output projection with the output bias on one rank only) runs on a probe in eval mode, first as it is,
+    then with its head-count attributes divided by the TP size. With an output projection the copies' outputs must
+    add up to the module's; without one each copy's output must be the module's output for its heads (its slice of
+    the last dimension). Otherwise the module is refused as before.
     """
-    if tp < 2 or any(f"{name}.{n}" not in styles for n in qkv):
+    if tp < 2:
         return None
     counts = {
         a: v
@@ -353,55 +373,48 @@ def _splits_heads_itself(
         if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool) and v % tp == 0
     }
     for local in ({}, {a: v // tp for a, v in counts.items()}) if counts else ({},):
-        if _sums_to_module(module, qkv, out, styles, name, tp, example, atol, local):
+        if _rank_copies_agree(module, cuts, tp, example, atol, local):
             return local
     return None
 
 
-def _sums_to_module(
+def _rank_copies_agree(
     module: nn.Module,
-    qkv: tuple[str, ...],
-    out: str,
-    styles: dict[str, LinearStyle],
-    name: str,
+    cuts: dict[str, tuple[int, int]],
     tp: int,
     example: torch.Tensor,
     atol: float,
     local: dict[str, int],
 ) -> bool:
     """One try of [Note: attention that splits its own heads], with the attributes ``local`` set on the copies."""
+    reduced = any(dim == 1 for dim, _ in cuts.values())  # an output projection: the copies' outputs add up
     mode = module.training
     module.eval()
     try:
         with torch.no_grad():
             want = _first_tensor(module(example))
-            total: torch.Tensor | None = None
+            outs = []
             for rank in range(tp):
                 part = copy.deepcopy(module)
                 for attr, value in local.items():
                     setattr(part, attr, value)
-                parts = dict(part.named_children())
-                for n in qkv:
-                    chunks = 3 if styles[f"{name}.{n}"] is LinearStyle.QKV else 1
-                    lin = parts[n]
-                    lin.weight = nn.Parameter(tp_slice(lin.weight, 0, chunks, rank, tp).clone())
-                    if lin.bias is not None:
+                for child, (dim, chunks) in cuts.items():
+                    lin = part.get_submodule(child)
+                    lin.weight = nn.Parameter(tp_slice(lin.weight, dim, chunks, rank, tp).clone())
+                    if lin.bias is not None and dim == 0:
                         lin.bias = nn.Parameter(tp_slice(lin.bias, 0, chunks, rank, tp).clone())
-                    lin.out_features = lin.weight.shape[0]
-                o = parts[out]
-                o.weight = nn.Parameter(tp_slice(o.weight, 1, 1, rank, tp).clone())
-                o.in_features = o.weight.shape[1]
-                if o.bias is not None and rank > 0:
-                    o.bias = nn.Parameter(torch.zeros_like(o.bias))
-                got = _first_tensor(part(example))
-                if got is None or want is None or got.shape != want.shape:
-                    return False
-                total = got if total is None else total + got
+                    elif lin.bias is not None and rank > 0:
+                        lin.bias = nn.Parameter(torch.zeros_like(lin.bias))
+                    lin.out_features, lin.in_features = lin.weight.shape
+                outs.append(_first_tensor(part(example)))
     except Exception:  # noqa: BLE001 - a forward that cannot run on a rank's heads is refused
         return False
     finally:
         module.train(mode)
-    return total is not None and want is not None and torch.allclose(total, want, atol=atol, rtol=1e-4)
+    if want is None or any(o is None for o in outs):
+        return False
+    got = torch.stack(outs).sum(0) if reduced else torch.cat(outs, dim=-1)  # type: ignore[arg-type]
+    return got.shape == want.shape and torch.allclose(got, want, atol=atol, rtol=1e-4)
 
 
 def _takes_one_input(module: nn.Module) -> bool:
