@@ -14,6 +14,7 @@ import inspect
 import re
 import warnings
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -234,8 +235,8 @@ def _check_unrecognised_attention(
     sharded = [n for n, s in styles.items() if n.startswith(prefix) and s is not LinearStyle.REPLICATE]
     cuts = _cuts(module, name, styles) if sharded else None
     if cuts:  # its forward may read the head count from the width: see [Note: attention that splits its own heads]
-        width = module.get_submodule(next(iter(cuts))).in_features
-        example = _probe_input(width, next(module.parameters()).dtype, next(module.parameters()).device)
+        first = cast(nn.Linear, module.get_submodule(next(iter(cuts))))
+        example = _probe_input(first.in_features, first.weight.dtype, first.weight.device)
         local = _splits_heads_itself(module, cuts, policy.tp_size, example, policy.probe_atol)
         if local is not None:
             for attr, value in local.items():
@@ -399,7 +400,7 @@ def _rank_copies_agree(
                 for attr, value in local.items():
                     setattr(part, attr, value)
                 for child, (dim, chunks) in cuts.items():
-                    lin = part.get_submodule(child)
+                    lin = cast(nn.Linear, part.get_submodule(child))
                     lin.weight = nn.Parameter(tp_slice(lin.weight, dim, chunks, rank, tp).clone())
                     if lin.bias is not None and dim == 0:
                         lin.bias = nn.Parameter(tp_slice(lin.bias, 0, chunks, rank, tp).clone())
