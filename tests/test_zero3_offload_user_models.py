@@ -210,3 +210,65 @@ def test_forked_child_leaves_its_parents_swap_folder(tmp_path: Path) -> None:
     finally:
         folder.close()
     assert not folder.path.exists()
+
+
+class _ClampedAdamW(torch.optim.AdamW):
+    """A user's AdamW with its own step: a clamp after each update."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.clamp_(-0.05, 0.05)
+        return loss
+
+
+def _fit_with_optimizer(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Fits 3 steps with CPU optimizer offload and ``kind``'s optimizer: what ran, or the error."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import zlightning  # noqa: F401
+
+    calls: list[str] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Net(torch.float32)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return _loss(self.net, batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if kind == "subclass":
+                return _ClampedAdamW(self.parameters(), lr=1e-3)
+            opt = _optimizer(list(self.named_parameters()))
+            opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+            opt.register_step_post_hook(lambda o, args, kwargs: calls.append(f"post lr={o.param_groups[0]['lr']}"))
+            return opt
+
+    trainer = pl.Trainer(
+        strategy="zstack_zero3_offload",
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(Module(), DataLoader(TensorDataset(_data()), batch_size=2))
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"calls": calls}
+
+
+def test_offload_refuses_an_adam_subclass_with_its_own_step() -> None:
+    """An Adam/AdamW subclass that overrides ``step`` passed the Adam check and was stepped as plain AdamW: its own
+    code silently never ran. Now a clear error names the override and the way out."""
+    for out in run_distributed(_fit_with_optimizer, 2, "subclass", init_process_group=False, timeout=120):
+        assert "_ClampedAdamW.step" in out.get("error", ""), out
+        assert "strategy='zstack_zero3'" in out["error"]

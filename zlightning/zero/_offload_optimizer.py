@@ -92,11 +92,28 @@ def check_offloadable(optimizer: torch.optim.Optimizer) -> bool:
             f"offload_optimizer steps Adam/AdamW on the host, but configure_optimizers returned "
             f"{type(optimizer).__name__}: use torch.optim.Adam or AdamW, or turn optimizer offload off"
         )
+    overridden = _overridden_update(type(optimizer))
+    if overridden:
+        raise ValueError(
+            f"offload_optimizer steps Adam/AdamW on the host with its own update, but configure_optimizers returned "
+            f"{type(optimizer).__name__}, a subclass that overrides {', '.join(overridden)}: that code would never "
+            "run. Use torch.optim.Adam or AdamW as they are, or turn optimizer offload off (strategy='zstack_zero3')"
+        )
     for group in optimizer.param_groups:
         on = [flag for flag in _FLAGS_OFF if group.get(flag)]
         if on:
             raise ValueError(f"offload_optimizer does not support Adam options {on}: leave them at their defaults")
     return bool(optimizer.param_groups[0].get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
+def _overridden_update(cls: type) -> list[str]:
+    """Methods of ``cls`` that replace torch's Adam/AdamW update (``step``, ``_init_group``), up to those classes."""
+    out: list[str] = []
+    for klass in cls.__mro__:
+        if klass in (torch.optim.Adam, torch.optim.AdamW):
+            break
+        out += [f"{klass.__name__}.{name}" for name in ("step", "_init_group") if name in vars(klass)]
+    return out
 
 
 @dataclass(frozen=True)
