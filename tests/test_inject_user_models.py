@@ -471,3 +471,22 @@ def test_attention_whose_output_projection_lives_elsewhere_splits_its_heads() ->
     """BERT-style self-attention (no output projection of its own, refused before as unrecognised) is split when
     the probe shows each rank's copy computes its heads' slice of the output; one process agrees."""
     assert run_distributed(_bert_rank, 2, timeout=240) == [True, True]
+
+
+def test_a_compressed_model_is_refused_not_silently_stripped() -> None:
+    """Kernel injection or tensor parallelism would replace compressed layers and drop their masks: refused, naming
+    the layers (ZStackZero3Strategy(tensor_parallel_size=2) with compression callbacks raised an unrelated head-count
+    error before)."""
+    from zlightning.compression import init_compression
+
+    config = {
+        "compression_training": {
+            "sparse_pruning": {
+                "shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 0},
+                "different_groups": {"sp": {"params": {"dense_ratio": 0.5}, "modules": [r"attn\."]}},
+            }
+        }
+    }
+    net = init_compression(Net(Block(SplitAttention(), _plain_mlp())), config)
+    with pytest.raises(InjectError, match=r"\['blocks.0.attn.q_proj'.*carry compression techniques"):
+        module_inject(net, InjectPolicy())

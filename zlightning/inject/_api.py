@@ -115,7 +115,8 @@ def module_inject(
         ``model``.
 
     Raises:
-        InjectError: an indivisible dimension, an invalid plan, or an attention module that cannot be sharded.
+        InjectError: an indivisible dimension, an invalid plan, an attention module that cannot be sharded, or a
+            compressed model (its techniques would be dropped).
         ValueError: a missing or mismatched ``tp_group``.
     """
     tp = policy.tp_size
@@ -126,6 +127,15 @@ def module_inject(
             raise ValueError(
                 f"module_inject: tp_group has {dist.get_world_size(tp_group)} ranks but policy.tp_size={tp}"
             )
+    compressed = [n for n, m in model.named_modules() if callable(getattr(m, "compressed_params", None))]
+    if compressed and (tp > 1 or policy.inject_kernels):
+        # a swapped or split layer would silently lose its masks and quantizer (zlightning.compression)
+        raise InjectError(
+            f"module_inject: {compressed[:3]} carry compression techniques (zlightning.compression or its callbacks), "
+            "which tensor parallelism and kernel injection would drop. Compression applies to the unsplit model: "
+            "train it without tensor parallelism (tensor_parallel_size=1), or compress after splitting through "
+            "init_compression(..., mpu=...) with Megatron-style layers"
+        )
     styles = classify_linears(model, policy)
     if tp > 1:
         validate_tp(model, styles, tp)
