@@ -266,6 +266,13 @@ def _fit_with_optimizer(rank: int, world: int, kind: str) -> dict[str, Any]:
     return {"calls": calls}
 
 
+def test_offload_runs_step_hooks_registered_on_the_users_optimizer() -> None:
+    """``register_step_pre_hook``/``register_step_post_hook`` on the optimizer configure_optimizers returns (EMA,
+    counters): the offloaded step replaces that optimizer's, and its hooks used to never run."""
+    for out in run_distributed(_fit_with_optimizer, 2, "hooks", init_process_group=False, timeout=120):
+        assert out["calls"] == ["pre", "post lr=0.003"] * STEPS, out
+
+
 def test_offload_refuses_an_adam_subclass_with_its_own_step() -> None:
     """An Adam/AdamW subclass that overrides ``step`` passed the Adam check and was stepped as plain AdamW: its own
     code silently never ran. Now a clear error names the override and the way out."""

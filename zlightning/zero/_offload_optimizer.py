@@ -205,6 +205,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         pieces = [p for g in inner.param_groups for p in g["params"]]
         super().__init__(pieces, dict(inner.defaults))
         self.param_groups = inner.param_groups
+        # Step hooks registered on the user's optimizer (an EMA, a counter; before or after this) run around this
+        # step, which replaces that optimizer's: they see this optimizer, with the same param_groups.
+        self._optimizer_step_pre_hooks = inner._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = inner._optimizer_step_post_hooks
         self.inner = inner
         self.engine = engine
         self.offload = offload
