@@ -80,6 +80,20 @@ def _related(related: Sequence[Sequence[str]] | None) -> tuple[tuple[str, ...], 
     return None if related is None else tuple(tuple(r) for r in related)
 
 
+def _refuse_pipeline(trainer: pl.Trainer, callback: Callback) -> None:
+    """Compression is applied to the model a LightningModule holds; under ``zstack_pipeline`` each rank builds only
+    its stage inside the strategy (after this hook), so there is nothing to select yet, and the export would hold one
+    stage. Refused with the way that works rather than a "matches no module" error on some ranks."""
+    from zlightning.strategies.pipeline import PipelineStrategy
+
+    if isinstance(trainer.strategy, PipelineStrategy):
+        raise ValueError(
+            f"{type(callback).__name__}: compression callbacks do not support strategy='zstack_pipeline' (each rank "
+            "builds only its stage, after the callbacks run). Compress without pipeline parallelism (zstack_zero3, "
+            "ddp or one device)"
+        )
+
+
 def _after_model_is_built(pl_module: pl.LightningModule, compress: Callable[[], None]) -> None:
     """Runs ``compress`` now, or right after ``pl_module.configure_model`` if it overrides that hook (see [Note: when
     the model is compressed]). The hook is wrapped on the instance for one call only, then restored."""
@@ -136,6 +150,7 @@ class CompressionCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._applied_to == id(pl_module):
             return
+        _refuse_pipeline(trainer, self)
 
         def compress() -> None:
             init_compression(pl_module, self.config, self.teacher_model)
@@ -452,6 +467,7 @@ class LayerReduction(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._applied_to != id(pl_module):
+            _refuse_pipeline(trainer, self)
 
             def reduce() -> None:
                 reduce_layers(pl_module, self.teacher_model, self.config)
