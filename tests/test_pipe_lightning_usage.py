@@ -194,8 +194,9 @@ def test_a_stage_without_parameters_is_a_clear_error() -> None:
 
 
 def _with_compression(rank: int, world: int) -> str | None:
-    from zlightning.callbacks import WeightQuantization
     from zlightning.strategies import PipelineStrategy
+
+    from zlightning.callbacks import WeightQuantization
 
     train, _ = _data()
     trainer = pl.Trainer(
