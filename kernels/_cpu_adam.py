@@ -14,6 +14,14 @@ For bf16/fp16 parameters the fp32 master copy lives in the optimizer state (``st
 exp_avg_sq; the step updates the master and rounds it (nearest-even) into the parameter in the same pass. With
 ``fp32_optimizer_states=False`` (DeepSpeed's knob) the moments are kept in the parameter's dtype and no master is
 kept; that path runs the PyTorch reference.
+
+[Note: loading state dicts]
+``torch.optim.Optimizer.load_state_dict`` casts every floating-point state tensor to its parameter's dtype: for a
+bf16 parameter that rounded the fp32 master and moments to bf16 (and took the step off the fused kernel).
+`CPUAdam.load_state_dict` keeps the saved fp32 values, makes a master from the parameter when the state dict has
+none (one saved by ``torch.optim.AdamW``), and reads torch's group keys, so a ``torch.optim.AdamW``/``Adam`` state
+dict loads into `CPUAdam` and `CPUAdam`'s loads into them (``state_dict`` also writes ``decoupled_weight_decay``,
+``amsgrad`` and ``maximize``, which torch's ``Adam`` reads).
 """
 
 from __future__ import annotations
@@ -83,12 +91,13 @@ class CPUAdam(torch.optim.Optimizer):
         betas: (beta1, beta2) in [0, 1).
         eps: added to the denominator.
         weight_decay: decoupled (AdamW) when ``adamw_mode``, else L2 added to the gradient (Adam).
-        amsgrad: not supported: ``True`` raises ``ValueError``.
+        amsgrad: not supported: ``True`` raises ``ValueError`` (also in a parameter group or a loaded state dict).
         adamw_mode: AdamW (True, default) or Adam with L2 (False).
         fp32_optimizer_states: keep exp_avg/exp_avg_sq (and a master copy) in fp32 for low-precision params.
+        maximize: maximize the objective (torch's flag): steps along the gradient.
 
     Raises:
-        ValueError: amsgrad, or a hyper-parameter out of range.
+        ValueError: amsgrad, a hyper-parameter out of range, or a parameter that is not a CPU float tensor.
     """
 
     def __init__(
@@ -102,20 +111,9 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
+        *,
+        maximize: bool = False,
     ) -> None:
-        if amsgrad:
-            raise ValueError(
-                "CPUAdam(amsgrad=True): AMSGrad is not supported (as in DeepSpeedCPUAdam). Use "
-                "torch.optim.AdamW(amsgrad=True) if you need it."
-            )
-        if not lr >= 0.0:
-            raise ValueError(f"CPUAdam: lr={lr!r} must be >= 0.")
-        if not eps >= 0.0:
-            raise ValueError(f"CPUAdam: eps={eps!r} must be >= 0.")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"CPUAdam: betas={betas!r} must be two values in [0, 1).")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"CPUAdam: weight_decay={weight_decay!r} must be >= 0.")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -123,12 +121,79 @@ class CPUAdam(torch.optim.Optimizer):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             adamw_mode=adamw_mode,
+            amsgrad=amsgrad,
+            maximize=maximize,
         )
-        super().__init__(model_params, defaults)
+        _check_group(defaults, "CPUAdam")
         self.fp32_optimizer_states = fp32_optimizer_states
-        for group in self.param_groups:
+        super().__init__(model_params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a parameter group (missing hyper-parameters take the constructor's values).
+
+        Raises:
+            ValueError: ``amsgrad=True``, a hyper-parameter out of range, or a parameter that is not a CPU
+                float32/bfloat16/float16 tensor.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_group(group, f"CPUAdam param group {len(self.param_groups) - 1}")
             for p in group["params"]:
                 self._check_param(p)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict saved by `CPUAdam`, ``torch.optim.AdamW`` or ``torch.optim.Adam``.
+
+        See [Note: loading state dicts]: fp32 moments and masters stay fp32 (torch would cast them to the parameter's
+        dtype), a missing master is made from the parameter, and torch's group keys map to ours
+        (``decoupled_weight_decay`` -> ``adamw_mode``; a missing ``bias_correction`` is True, as in torch).
+
+        Raises:
+            ValueError: a group with ``amsgrad=True`` (its ``max_exp_avg_sq`` cannot be used) or invalid values.
+        """
+        for i, g in enumerate(state_dict["param_groups"]):  # before anything changes
+            _check_group({**self.defaults, **g}, f"CPUAdam.load_state_dict: param group {i}")
+        saved = dict(state_dict["state"])  # before torch casts floating-point state to each parameter's dtype
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if "adamw_mode" not in group:
+                group["adamw_mode"] = bool(group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
+            group.setdefault("bias_correction", True)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            if self.state.get(p):
+                self._restore_state(p, self.state[p], saved.get(pid, {}))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus ``decoupled_weight_decay`` (= ``adamw_mode``) per group for ``torch.optim.Adam``."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group["decoupled_weight_decay"] = bool(group["adamw_mode"])
+        return sd
+
+    def _restore_state(self, p: torch.Tensor, state: dict[str, Any], saved: dict[str, Any]) -> None:
+        low = p.dtype in _LOW
+        fp32 = self.fp32_optimizer_states or not low
+        sdtype = torch.float32 if fp32 else p.dtype
+        state["step"] = int(saved.get("step", state.get("step", 0)))
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = saved.get(key, state.get(key))
+            if value is None:
+                raise ValueError(f"CPUAdam.load_state_dict: the state of a {tuple(p.shape)} parameter has no {key}.")
+            state[key] = value.to(device="cpu", dtype=sdtype).contiguous()
+        if low and self.fp32_optimizer_states:
+            master = saved.get("master")
+            state["master"] = (p.detach() if master is None else master).to(device="cpu", dtype=torch.float32)
+        else:
+            state.pop("master", None)
+        state.pop("max_exp_avg_sq", None)
 
     @staticmethod
     def _check_param(p: torch.Tensor) -> None:
@@ -230,11 +295,22 @@ class CPUAdam(torch.optim.Optimizer):
             adamw_mode=group["adamw_mode"],
         )
         grad = p.grad
+        if grad is None:  # step() skips parameters without a gradient
+            raise AssertionError(f"{tuple(p.shape)=}")
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"CPUAdam does not support sparse gradients (a {tuple(p.shape)} parameter has one); use "
+                "torch.optim.SparseAdam for embeddings with sparse=True."
+            )
+        if group.get("maximize", False):
+            grad = -grad
         fast = (
             native
             and master.dtype == torch.float32
             and state["exp_avg"].dtype == torch.float32
             and master.is_contiguous()
+            and state["exp_avg"].is_contiguous()
+            and state["exp_avg_sq"].is_contiguous()
             and not isinstance(copy, _TwoCopies)
             and (copy is None or copy.is_contiguous())
         )
@@ -261,6 +337,24 @@ class CPUAdam(torch.optim.Optimizer):
         adam_step_reference(master, grad, state["exp_avg"], state["exp_avg_sq"], target, **kw)
         if isinstance(copy, _TwoCopies):
             copy.second.copy_(master)
+
+
+def _check_group(group: dict[str, Any], where: str) -> None:
+    """Validates one parameter group's hyper-parameters (the constructor's defaults, an added or a loaded group)."""
+    if group.get("amsgrad", False):
+        raise ValueError(
+            f"{where}: amsgrad=True: AMSGrad is not supported (as in DeepSpeedCPUAdam). Use "
+            "torch.optim.AdamW(amsgrad=True) if you need it."
+        )
+    lr, eps, betas, wd = group["lr"], group["eps"], group["betas"], group["weight_decay"]
+    if not lr >= 0.0:
+        raise ValueError(f"{where}: lr={lr!r} must be >= 0.")
+    if not eps >= 0.0:
+        raise ValueError(f"{where}: eps={eps!r} must be >= 0.")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas={betas!r} must be two values in [0, 1).")
+    if not wd >= 0.0:
+        raise ValueError(f"{where}: weight_decay={wd!r} must be >= 0.")
 
 
 class _TwoCopies:
