@@ -8,7 +8,9 @@ The input is flattened and cut into groups of ``group_size`` elements (the last 
 * asymmetric: ``scale = (max - min) / qmax`` with ``qmax = 255`` or ``15``, ``offset = min``;
   ``q = clamp(round((x - offset) / scale), 0, qmax)``; ``x ~= q * scale + offset``.
 
-A zero range gives ``scale = 1``. Rounding is half-to-even; arithmetic is fp32 whatever the input dtype.
+A zero range gives ``scale = 1``. A group holding a NaN or an infinity gets ``scale = NaN`` (``offset = NaN`` when
+asymmetric) and zero codes, so it dequantizes to NaN: a non-finite input is never hidden behind finite values.
+Rounding is half-to-even; arithmetic is fp32 whatever the input dtype.
 ``data`` has shape ``[groups, group_size * bits / 8]``: int8 for symmetric 8-bit, uint8 otherwise; 4-bit codes
 are packed two per byte, element ``2k`` in the low nibble (two's complement for symmetric). Padding codes of the
 last group are 0. The compiled CPU kernel, the CUDA path and the reference produce identical bytes.
@@ -49,7 +51,12 @@ class QuantizedTensor:
 def _check(x: torch.Tensor, bits: int, group_size: int) -> None:
     if bits not in (4, 8):
         raise ValueError(f"quantize: bits={bits!r}; supported are 8 (int8) and 4 (packed int4).")
-    if not isinstance(group_size, int) or group_size <= 0 or (bits == 4 and group_size % 2):
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size <= 0
+        or (bits == 4 and group_size % 2)
+    ):
         raise ValueError(f"quantize: group_size={group_size!r} must be a positive integer (even for 4 bits).")
     if not x.is_floating_point():
         raise TypeError(f"quantize: expected a floating-point tensor, got {x.dtype}.")
@@ -79,15 +86,31 @@ def quantize_reference(
         offset = g.amin(1) if groups else g.new_empty(0)
         scale = ((g.amax(1) - offset) / qmax) if groups else g.new_empty(0)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round((g - offset[:, None]) / scale[:, None]).clamp_(qmin, qmax).to(torch.int32)
+    q = torch.round((g - offset[:, None]) / scale[:, None]).clamp_(qmin, qmax).nan_to_num_(0.0).to(torch.int32)
     if pad:
         q.view(-1)[n:] = 0
+    scale, offset = _poison_nonfinite(~torch.isfinite(g).all(1), q, scale, offset, symmetric)
+    return _pack(q, bits, symmetric), scale, offset
+
+
+def _poison_nonfinite(
+    bad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups flagged ``bad`` (holding NaN or +-inf) get NaN scale (and offset when asymmetric) and zero codes
+    (``codes`` is changed in place); see [Note: quantized layout]."""
+    if not bool(bad.any()):
+        return scale, offset
+    codes[bad] = 0
+    nan = torch.full_like(scale, float("nan"))
+    return torch.where(bad, nan, scale), (offset if symmetric else torch.where(bad, nan, offset))
+
+
+def _pack(codes: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """int32 codes ``[groups, group_size]`` to the stored layout: int8/uint8, or two 4-bit codes per byte."""
     if bits == 8:
-        data = q.to(torch.int8) if symmetric else q.to(torch.uint8)
-    else:
-        nib = q & 0xF
-        data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
-    return data, scale, offset
+        return codes.to(torch.int8) if symmetric else codes.to(torch.uint8)
+    nib = codes & 0xF
+    return (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
 
 
 def dequantize_reference(
@@ -226,12 +249,10 @@ def quantize_cuda(
             SYMMETRIC=symmetric,
             BLOCK=triton.next_power_of_2(group_size),
         )
-    if bits == 8:
-        data = codes.to(torch.int8) if symmetric else codes.to(torch.uint8)
-    else:
-        nib = codes & 0xF
-        data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
-    return data, scale, offset
+        finite = torch.ones(groups * group_size, dtype=torch.bool, device=x.device)
+        finite[:n] = torch.isfinite(x.reshape(-1))
+        scale, offset = _poison_nonfinite(~finite.view(groups, group_size).all(1), codes, scale, offset, symmetric)
+    return _pack(codes, bits, symmetric), scale, offset
 
 
 def dequantize_cuda(

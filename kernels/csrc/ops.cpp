@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "zl_kernels.h"
@@ -138,22 +139,41 @@ void quantize_groups(const T* x, int64_t n, int64_t gs, int64_t bits, bool sym, 
     const int64_t start = g * gs, len = std::min(gs, n - start);
     const T* xs = x + start;
     float s, off = 0.0f;
+    // NaN exactly when the group holds a NaN or an infinity (x * 0 is +-0 for finite x): std::min/max skip NaNs, so
+    // without this a NaN was silently dropped from the scale and coded as garbage. See [Note: quantized layout].
+    float poison = 0.0f;
     if (sym) {
       float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(to_f(xs[i])));
+#pragma omp simd reduction(max : amax) reduction(+ : poison)
+      for (int64_t i = 0; i < len; ++i) {
+        float f = to_f(xs[i]);
+        amax = std::max(amax, std::fabs(f));
+        poison += f * 0.0f;
+      }
       s = amax / qmax;
     } else {
       float mn = to_f(xs[0]), mx = mn;
-#pragma omp simd reduction(min : mn) reduction(max : mx)
-      for (int64_t i = 1; i < len; ++i) { float f = to_f(xs[i]); mn = std::min(mn, f); mx = std::max(mx, f); }
+      poison = mn * 0.0f;
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : poison)
+      for (int64_t i = 1; i < len; ++i) {
+        float f = to_f(xs[i]);
+        mn = std::min(mn, f);
+        mx = std::max(mx, f);
+        poison += f * 0.0f;
+      }
       s = (mx - mn) / qmax;
       off = mn;
+    }
+    uint8_t* o = out + g * bytes_per_group;
+    if (poison != poison) {  // non-finite group: NaN scale (and offset), zero codes: it dequantizes to NaN
+      scale[g] = std::numeric_limits<float>::quiet_NaN();
+      offset[g] = sym ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      std::memset(o, 0, bytes_per_group);
+      continue;
     }
     if (s == 0.0f) s = 1.0f;
     scale[g] = s;
     offset[g] = off;
-    uint8_t* o = out + g * bytes_per_group;
     if (bits == 8) {
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) {
