@@ -314,3 +314,46 @@ def test_estimate_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
     assert gib(["--offload", "cpu", "--device", "cpu"], "host_bytes") == pytest.approx(4 * 3.26, abs=0.01)
     with pytest.raises(SystemExit, match="needs offload_optimizer"):
         main(["estimate", "--params", "7e9", "--world-size", "8", "--offload-params", "nvme"])
+
+
+def test_a_registered_name_with_the_strategys_knobs(tmp_path: Path) -> None:
+    """``--trainer.strategy=zstack_zero3_offload --trainer.strategy.tensor_parallel_size=2`` on top of the YAML: the
+    knobs parse (they failed: the name made the strategy a string), the YAML's zero knobs stay, the name's offload
+    is added on every rank (both ranks re-run the rewritten command; a rank without it would hang the other)."""
+    from zlightning.strategies import ZStackZero3Strategy
+
+    from zlightning.cli import _apply_registered_zero, _name_with_knobs
+    from zlightning.zero import ZeroConfig
+
+    argv = ["fit", "--config", CONFIG, "--trainer.strategy", "zstack_zero3_offload", "--trainer.strategy.zero.stage=2"]
+    rewritten, name = _name_with_knobs(argv)
+    assert name == "zstack_zero3_offload"
+    # the YAML's ZStackZero3Strategy block stays (naming its class again would reset its zero knobs)
+    assert rewritten == ["fit", "--config", CONFIG, "--trainer.strategy.zero.stage=2"]
+    no_block = ["fit", "--trainer.strategy=zstack_zero3_offload", "--trainer.strategy.tensor_parallel_size=2"]
+    assert _name_with_knobs(no_block)[0] == ["fit", f"--trainer.strategy={STRATEGY}", no_block[2]]
+    strategy = ZStackZero3Strategy(zero=ZeroConfig(stage=2, unit_modules=("Block",)))
+    _apply_registered_zero(strategy, "zstack_zero3_nvme", ["--trainer.strategy.zero.offload_params=null"])
+    assert strategy.zero.offload_optimizer is not None and strategy.zero.offload_params is None  # the user's wins
+    assert strategy.zero.unit_modules == ("Block",)
+    assert _name_with_knobs(["fit", "--trainer.strategy=zstack_zero3_offload"]) == (
+        ["fit", "--trainer.strategy=zstack_zero3_offload"],
+        None,
+    )
+
+    result = _run_cli(
+        [
+            "fit",
+            "--config",
+            CONFIG,
+            *TINY,
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.strategy=zstack_zero3_offload",
+            "--trainer.strategy.tensor_parallel_size=2",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "added zero.offload_optimizer=CPUOffload" in result.stderr
+    assert "optimizer state offloaded (CPUOffload)" in result.stdout + result.stderr

@@ -35,6 +35,13 @@ and one line says what was kept and what was added. Naming any other strategy dr
 so. A DeepSpeed config given as ``--trainer.strategy.config=ds.json`` merges with the config's ``zero:`` knobs in the
 strategy itself (its keys win; see ``ZStackZero3Strategy``).
 
+A registered name followed by the strategy's own knobs (``--trainer.strategy=zstack_zero3_offload
+--trainer.strategy.tensor_parallel_size=2``) cannot be parsed as given: the name makes the strategy a string,
+which has no knobs. `_name_with_knobs` therefore drops the name when a config's block is a ``ZStackZero3Strategy``
+(its class and knobs stay; naming the class again would reset them) and puts the class path in its place otherwise,
+so the knobs parse; the built strategy then gets the name's ZeRO settings, except the ``zero.*`` knobs the command
+line sets itself.
+
 [Note: what a run prints]
 The command adds the fixed progress bar, the model summary with sharded sizes and the end-of-fit summary of
 ``zlightning._run_report`` unless the config brings its own (or turns the bar or summary off).
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import os
 import sys
 from collections.abc import Callable
@@ -328,6 +336,58 @@ def _config_strategy(argv: list[str]) -> tuple[dict[str, Any] | None, str | None
     return block, name
 
 
+_ZERO3_PATH = "zlightning.strategies.ZStackZero3Strategy"
+_NAME_ENV = "ZLIGHTNING_CLI_STRATEGY_NAME"
+
+
+def _name_with_knobs(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` with a registered ``zstack_zero*`` name that is followed by ``--trainer.strategy.*`` knobs replaced by
+    the strategy's class path, and that name (None when nothing was replaced). See [Note: command-line strategy over a
+    config's strategy]."""
+    from zlightning.strategies import ZStackZero3Strategy
+
+    found: tuple[int, int, str] | None = None
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key == "--trainer.strategy":
+            width = 1 if eq else 2
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            found = (i, width, value) if "." not in value else None
+    knobs = [a for a in argv if a.startswith("--trainer.strategy.") and not a.startswith("--trainer.strategy.help")]
+    if found is None or not knobs:
+        return argv, None
+    i, width, name = found
+    entry = dict.get(StrategyRegistry, name)  # the registration (its .get would build the strategy)
+    if entry is None or entry["strategy"] is not ZStackZero3Strategy:
+        return argv, None
+    block, _ = _config_strategy(argv[:i])
+    if block is not None and str(block.get("class_path", "")).rpartition(".")[2] == "ZStackZero3Strategy":
+        return [*argv[:i], *argv[i + width :]], name  # the config's class and knobs stay; the name is applied later
+    return [*argv[:i], f"--trainer.strategy={_ZERO3_PATH}", *argv[i + width :]], name
+
+
+def _apply_registered_zero(strategy: Any, name: str, argv: list[str]) -> None:
+    """Applies the ZeRO settings registered under ``name`` to ``strategy`` (built from the class path and the knobs),
+    except the ``zero.*`` knobs given in ``argv``."""
+    from zlightning.zero import ZeroConfig
+
+    registered = dict.get(StrategyRegistry, name)["init_params"].get("zero", ZeroConfig())
+    given = {
+        a.partition("=")[0].rsplit(".", 1)[-1]
+        for a in argv
+        if a.startswith(("--trainer.strategy.zero.", "--trainer.strategy.init_args.zero."))
+    }
+    default = ZeroConfig()
+    added = {
+        f.name: getattr(registered, f.name)
+        for f in dataclasses.fields(ZeroConfig)
+        if getattr(registered, f.name) != getattr(default, f.name) and f.name not in given
+    }
+    strategy.zero = dataclasses.replace(strategy.zero, **added)
+    what = ", ".join(f"zero.{k}={v!r}" for k, v in added.items()) or "nothing"
+    _say(f"--trainer.strategy={name} with the strategy's knobs from the command line: added {what}")
+
+
 def _strategy_over_config(block: dict[str, Any], name: str) -> Any:
     """The strategy for ``--trainer.strategy=NAME`` given on top of a config whose strategy is ``block``: the config's
     ``ZStackZero3Strategy`` with NAME's ZeRO settings applied, or None when NAME replaces it (said in one line)."""
@@ -376,6 +436,8 @@ class _CLI(LightningCLI):
 
     strategy_block: dict[str, Any] | None = None
     strategy_name: str | None = None
+    name_with_knobs: str | None = None  # see [Note: command-line strategy over a config's strategy]
+    argv: list[str] = []
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
@@ -393,6 +455,8 @@ class _CLI(LightningCLI):
             merged = _strategy_over_config(self.strategy_block, strategy)
             if merged is not None:
                 kwargs["strategy"] = merged
+        if self.name_with_knobs is not None and hasattr(strategy, "zero"):
+            _apply_registered_zero(strategy, self.name_with_knobs, self.argv)
         return super().instantiate_trainer(**kwargs)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Any:
@@ -443,14 +507,26 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(2)
     # See [Note: where the ZeroConfig knobs are documented].
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    argv, _CLI.name_with_knobs = _name_with_knobs(argv)
+    # ranks re-run the rewritten command (Lightning's launcher reads sys.argv): the name travels in the environment,
+    # tied to that exact command line
+    signature = hashlib.sha256("\0".join(argv).encode()).hexdigest()[:16]
+    if _CLI.name_with_knobs is not None:
+        os.environ[_NAME_ENV] = f"{_CLI.name_with_knobs}:{signature}"
+    else:
+        saved_name, _, saved_signature = os.environ.get(_NAME_ENV, "").partition(":")
+        _CLI.name_with_knobs = saved_name if saved_name and saved_signature == signature else None
+    _CLI.argv = argv
     _CLI.strategy_block, _CLI.strategy_name = _config_strategy(argv)
+    if _CLI.name_with_knobs is not None and args is None:
+        sys.argv = [sys.argv[0], *argv]  # LightningCLI reads sys.argv itself (see below)
     _CLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         parser_kwargs=_parser_kwargs(),
         # None lets LightningCLI read sys.argv itself (passing both warns, see LightningCLI.parse_arguments).
-        args=args,
+        args=argv if args is not None else None,
     )
 
 
