@@ -371,7 +371,8 @@ def _apply_registered_zero(strategy: Any, name: str, argv: list[str]) -> None:
     except the ``zero.*`` knobs given in ``argv``."""
     from zlightning.zero import ZeroConfig
 
-    registered = dict.get(StrategyRegistry, name)["init_params"].get("zero", ZeroConfig())
+    entry = dict.get(StrategyRegistry, name) or {}  # the registration (its .get would build the strategy)
+    registered = entry.get("init_params", {}).get("zero", ZeroConfig())
     given = {
         a.partition("=")[0].rsplit(".", 1)[-1]
         for a in argv
