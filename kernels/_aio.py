@@ -46,6 +46,8 @@ Opening the file happens at submit, so a missing file or a permission problem ra
 itself (ENOSPC, EIO, a short read past the end of the file) are recorded per block and raised by `wait` (or the
 ``sync_*`` call) as `AIOError`, an ``OSError`` carrying ``errno``, the file name, the operation and the byte offset
 of the failing block; `wait` first lets every other request finish, so nothing is left in flight after it raises.
+An engine closed, garbage-collected or alive at interpreter exit first finishes the requests nobody waited for and
+warns (``RuntimeWarning``) with their errors instead of losing them (`_drain_and_close`).
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ class IORequest:
         self._lock = threading.Lock()
         self._remaining = 0
         self._fds: list[int] = []
+        self._buffer: torch.Tensor | None = None  # kept alive until the request completes (a temporary would be
+        # freed while the I/O still reads or writes its memory)
         self._finalize: Callable[[], None] | None = None  # device copy-back of a read into a staged GPU tensor
         self._native: tuple[_NativeBackend, int] | None = None  # (ring, request id) on the io_uring backend
 
@@ -198,6 +202,7 @@ class IORequest:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        self._buffer = None
         self._event.set()
 
     # DeepSpeed's return code: see [Note: a request is DeepSpeed's return code].
@@ -344,6 +349,31 @@ class _NativeBackend:
         self._ring = None
 
 
+def _drain_and_close(
+    backend: _ThreadPoolBackend | _NativeBackend, pending: list[IORequest], lock: threading.Lock
+) -> None:
+    """Finalizer of a `DeepSpeedIOEngine` (``close()``, garbage collection, interpreter exit): finishes every request
+    nobody waited for, then stops the backend, and warns about their errors, which have no `wait` left to raise
+    them. The io_uring ring's destructor only lets blocks already in the kernel finish, so without this a dropped
+    engine lost the queued part of its writes (the file was silently cut short)."""
+    with lock:
+        reqs = list(pending)
+        pending.clear()
+    errors: list[AIOError] = []
+    for req in reqs:
+        req._wait()
+        errors.extend(req.errors)
+    backend.close()
+    if errors:
+        warnings.warn(
+            f"DeepSpeedIOEngine closed or garbage-collected with {len(errors)} failed block(s) in requests never "
+            f"passed to wait(); the first: {errors[0]}. Call wait() (or use the engine as a context manager) to "
+            "get them as AIOError.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 def _native_backend(config: AIOConfig) -> _NativeBackend | None:
     from zlightning.kernels import _ext
 
@@ -416,7 +446,7 @@ class DeepSpeedIOEngine:
         self._pending: list[IORequest] = []
         self._lock = threading.Lock()
         self._locked: dict[int, torch.Tensor] = {}
-        self._closer = weakref.finalize(self, self._backend.close)
+        self._closer = weakref.finalize(self, _drain_and_close, self._backend, self._pending, self._lock)
 
     # ---- DeepSpeed aio_handle getters -------------------------------------------------------------------------
     def get_block_size(self) -> int:
@@ -462,8 +492,9 @@ class DeepSpeedIOEngine:
         Raises:
             AIOError: the first failed request's error (after all requests finished); its message counts the others.
         """
-        with self._lock:
-            reqs, self._pending = self._pending, []
+        with self._lock:  # cleared in place: the finalizer holds this list (see `_drain_and_close`)
+            reqs = list(self._pending)
+            self._pending.clear()
         for req in reqs:
             req._wait()
         errors = [e for req in reqs for e in req.errors]
@@ -634,6 +665,7 @@ class DeepSpeedIOEngine:
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"DeepSpeedIOEngine {op} of '{path}': file_offset={offset!r} must be an integer >= 0.")
         req = IORequest(op, path, offset, host.numel() * host.element_size())
+        req._buffer = host
         if host is not buffer:  # a device tensor: staged through host memory
             req._finalize = (lambda: buffer.copy_(host)) if op == "read" else None
         if validate:
