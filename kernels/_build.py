@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -35,7 +36,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["BuildResult", "build", "build_dir", "cache_key", "library_path", "search_dirs", "user_cache_dir"]
+__all__ = [
+    "BuildResult",
+    "build",
+    "build_dir",
+    "cache_key",
+    "library_path",
+    "library_problem",
+    "search_dirs",
+    "user_cache_dir",
+]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("zl_kernels.h", "adam_isa.cpp", "aio_uring.cpp", "host_cache.cpp", "checksum.cpp", "ops.cpp")
@@ -145,6 +155,35 @@ def library_path(key: str | None = None) -> Path:
     return build_dir() / key / LIB_NAME
 
 
+def library_problem(path: Path) -> str:
+    """Why the library file at ``path`` cannot be loaded safely ("" when it looks whole).
+
+    A truncated shared object (a build or copy cut short, a full disk) is not refused by ``dlopen``: the loader maps
+    segments past the end of the file and the process dies of SIGBUS at import. So the ELF header, the program
+    header table and every segment are checked to lie inside the file before loading.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:
+                return f"{path} is not a 64-bit ELF shared library ({size} bytes): truncated or corrupted"
+            end = "<" if head[5] == 1 else ">"
+            phoff, shoff = struct.unpack_from(end + "QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 0x36)
+            tables = max(phoff + phnum * phentsize, shoff + shnum * shentsize)
+            if tables > size:
+                return f"{path} is truncated: {size} bytes, its ELF tables end at byte {tables}"
+            fh.seek(phoff)
+            for _ in range(phnum):
+                offset, filesz = struct.unpack_from(end + "8xQ16xQ", fh.read(phentsize))
+                if offset + filesz > size:
+                    return f"{path} is truncated: {size} bytes, a segment ends at byte {offset + filesz}"
+    except (OSError, struct.error) as err:
+        return f"{path} cannot be read: {err}"
+    return ""
+
+
 def _commands(
     cxx: str, out: Path, includes: list[str], lib_dir: str, abi: bool
 ) -> tuple[list[list[str]], list[str], str]:
@@ -245,7 +284,10 @@ def build(force: bool = False, verbose: bool = True) -> BuildResult:
     cver = _compiler_version(cxx)
     key = cache_key(torch_version)
     found = library_path(key)
-    if found.exists() and not force:
+    problem = library_problem(found) if found.exists() else ""
+    if problem and verbose:
+        print(f">> zlightning kernels: rebuilding: {problem}")
+    if found.exists() and not force and not problem:
         out, lib = found.parent, found
         meta = json.loads((out / "build.json").read_text()) if (out / "build.json").exists() else {}
         if verbose:

@@ -47,11 +47,17 @@ def _load() -> ExtStatus:
     except OSError as err:
         return ExtStatus(False, f"kernel sources unreadable: {err}")
     meta_file = lib.parent / "build.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.exists() else None
+    try:
+        meta = json.loads(meta_file.read_text()) if meta_file.exists() else None
+    except (OSError, ValueError):  # a cut-short build.json: not a reason to fail
+        meta = None
     if not lib.exists():
         why = "not built for these sources and this torch" if meta is None or meta.get("ok") else "the build failed"
         where = " or ".join(str(d / lib.parent.name) for d in _build.search_dirs())
         return ExtStatus(False, f"{why} (looked for {lib.name} in {where})", str(lib), meta)
+    problem = _build.library_problem(lib)  # a truncated library would kill the process (SIGBUS) in dlopen
+    if problem:
+        return ExtStatus(False, f"{problem}; rebuild with `zlightning kernels --build`", str(lib), meta)
     try:
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as err:
