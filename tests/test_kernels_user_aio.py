@@ -7,17 +7,9 @@ import gc
 
 import pytest
 import torch
-from zlightning.kernels import DeepSpeedIOEngine, _ext
+from zlightning.kernels import DeepSpeedIOEngine
 
-BACKENDS = [
-    "python",
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(
-            not _ext.aio_native_available(), reason="native io_uring backend not built or io_uring not allowed"
-        ),
-    ),
-]
+from tests.test_kernels_aio import BACKENDS
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
