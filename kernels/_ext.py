@@ -9,6 +9,7 @@ load, every op uses its PyTorch reference and `warn_fallback` warns once, naming
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import warnings
@@ -39,8 +40,23 @@ _warned = False
 _uring_ok: bool | None = None
 
 
+_FORCE_ENV = "ZLIGHTNING_KERNELS"
+"""``ZLIGHTNING_KERNELS=fallback`` runs every op on its PyTorch reference (to compare, or to rule the native code out);
+unset or ``auto``: the native library when it loads."""
+
+
+def _forced_fallback() -> bool:
+    value = os.environ.get(_FORCE_ENV, "auto").strip().lower()
+    if value not in ("auto", "fallback", ""):
+        warnings.warn(f"{_FORCE_ENV}={value!r} is not 'auto' or 'fallback'; using 'auto'", RuntimeWarning, stacklevel=3)
+    return value == "fallback"
+
+
 def _load() -> ExtStatus:
     from zlightning.kernels import _build
+
+    if _forced_fallback():
+        return ExtStatus(False, f"{_FORCE_ENV}=fallback asks for the PyTorch references")
 
     try:
         lib = _build.library_path()
@@ -100,7 +116,7 @@ def aio_native_available() -> bool:
 def warn_fallback(op: str) -> None:
     """Warns once per process that ``op`` (and the other native ops) run their PyTorch reference."""
     global _warned
-    if _warned:
+    if _warned or _forced_fallback():  # asked for: nothing to warn about
         return
     _warned = True
     warnings.warn(
