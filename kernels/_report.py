@@ -89,15 +89,18 @@ def _print(rep: dict[str, object]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``zlightning kernels [--build] [--json]``: report (after building, with --build)."""
+    """``zlightning kernels [--build [--force]] [--json]``: report (after building, with --build)."""
     p = argparse.ArgumentParser(prog="zlightning kernels", description="Native kernel report (ds_report's job).")
     p.add_argument("--build", action="store_true", help="build (or verify the cached build of) the kernels first")
+    p.add_argument("--force", action="store_true", help="with --build: compile again even when a cached build matches")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     from zlightning.kernels import _build
 
+    if a.force and not a.build:
+        p.error("--force rebuilds: give it with --build")
     if a.build:
-        res = _build.build()
+        res = _build.build(force=a.force)
         if not res.ok:
             print(f"build failed: {res.error[-2000:]}")
     rep = kernel_report()

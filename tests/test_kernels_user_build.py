@@ -38,3 +38,21 @@ print("OK")
     monkeypatch.setenv("CXX", "/bin/false")  # a rebuild is attempted (and fails fast), not "cached build"
     res = _build.build(verbose=False)
     assert not res.ok and "/bin/false" in res.error
+
+
+def test_kernels_build_force_reaches_the_build(monkeypatch, capsys) -> None:
+    """``zlightning kernels --build --force`` compiles again (the cache is bypassed); --force alone is refused."""
+    from zlightning.kernels import _report
+
+    calls = []
+
+    def fake_build(force: bool = False, verbose: bool = True) -> _build.BuildResult:
+        calls.append(force)
+        return _build.BuildResult(False, "", "", "", "", "", "", 0.0, error="not compiled in this test")
+
+    monkeypatch.setattr(_build, "build", fake_build)
+    _report.main(["--build", "--force", "--json"])
+    assert calls == [True]
+    with pytest.raises(SystemExit):
+        _report.main(["--force"])
+    assert "give it with --build" in capsys.readouterr().err

@@ -220,7 +220,7 @@ def _analyze(argv: list[str]) -> None:
 
 
 def _kernels(argv: list[str]) -> None:
-    """``zlightning kernels [--build] [--json]``: native kernel report (compiled or fallback, ISA, flags, versions)."""
+    """``zlightning kernels [--build [--force]] [--json]``: native kernel report (compiled or fallback, ISA, flags, versions)."""
     from zlightning.kernels._report import main as kernels_main
 
     kernels_main(argv)
