@@ -37,13 +37,15 @@ test: $(STAMP) lint
 	@$(PY) -m pytest -q tests --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-# Lint and formatting over the whole tree (ruff) and type checking of the zlightning package (mypy), both configured
-# in pyproject.toml; part of `make test`.
+# Lint and formatting over the whole tree (ruff) and type checking of the zlightning package and the kernels'
+# Python layer (mypy; a separate run, since kernels/ is mapped into zlightning.kernels), configured in pyproject.toml;
+# part of `make test`.
 lint: $(STAMP)
-	@echo ">> ruff check, ruff format --check and mypy zlightning"
+	@echo ">> ruff check, ruff format --check and mypy zlightning, kernels"
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy zlightning
+	$(PY) -m mypy kernels
 
 bench: $(STAMP)
 	@echo ">> side-by-side benchmark: DDP, FSDP2, DeepSpeed ZeRO-3 (separate venv), zstack_zero3"

@@ -332,6 +332,8 @@ class _NativeBackend:
         return self._ring.done(rid)
 
     def wait(self, req: IORequest) -> None:
+        if req._native is None:
+            raise AssertionError("a native wait for a request submitted elsewhere")
         err, at, short = self._ring.wait(req._native[1])
         if err:
             if short >= 0:
@@ -667,7 +669,11 @@ class DeepSpeedIOEngine:
         req = IORequest(op, path, offset, host.numel() * host.element_size())
         req._buffer = host
         if host is not buffer:  # a device tensor: staged through host memory
-            req._finalize = (lambda: buffer.copy_(host)) if op == "read" else None
+
+            def copy_back() -> None:
+                buffer.copy_(host)
+
+            req._finalize = copy_back if op == "read" else None
         if validate:
             staged = req._finalize
 
@@ -718,6 +724,8 @@ class DeepSpeedIOEngine:
         calls: list[Block] = []
         for direct, addr, length, off in blocks:
             fd = direct_fd if direct and direct_fd is not None else buffered_fd
+            if fd is None:
+                raise AssertionError(f"no file descriptor for a {'direct' if direct else 'buffered'} block")
             calls.append((fd, addr, length, off))
         if not calls:
             req._complete()

@@ -211,7 +211,7 @@ class CPUAdam(torch.optim.Optimizer):
         return _ext.available()
 
     @torch.no_grad()
-    def step(
+    def step(  # type: ignore[override]  # DeepSpeedCPUAdam's signature (fp16_param_groups)
         self,
         closure: Callable[[], float] | None = None,
         fp16_param_groups: list[torch.Tensor] | list[list[torch.Tensor]] | None = None,
@@ -275,7 +275,8 @@ class CPUAdam(torch.optim.Optimizer):
                 state["master"] = p.detach().float()
         return state
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any], copy: torch.Tensor | None, native: bool) -> None:
+    def _update(self, p: torch.Tensor, group: dict[str, Any], copy: Any, native: bool) -> None:
+        """One parameter's step; ``copy``: None, a tensor to round the result into, or `_TwoCopies`."""
         state = self._state_for(p)
         state["step"] += 1
         master = state.get("master", p)

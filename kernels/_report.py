@@ -8,6 +8,7 @@ import json
 import platform
 import shutil
 import subprocess
+from typing import cast
 
 import torch
 from zlightning.kernels import _ext
@@ -62,7 +63,7 @@ def kernel_report() -> dict[str, object]:
 def _print(rep: dict[str, object]) -> None:
     print("zlightning kernels report")
     print("-" * 72)
-    for op, state in rep["ops"].items():  # type: ignore[union-attr]
+    for op, state in cast(dict[str, object], rep["ops"]).items():
         print(f"  {op:40s} {state}")
     print("-" * 72)
     for key in (
