@@ -9,6 +9,7 @@ the same reduction order as the ranks. A test that needs more threads sets them 
 
 import os
 
+import pytest
 import torch
 
 from zlightning.testing import set_start_method
@@ -22,3 +23,16 @@ if os.environ.get("ZLIGHTNING_TEST_SPAWN") != "1":
         "forkserver",
         preload=["torch", "torch.distributed", "lightning.pytorch", "zlightning.strategies", "zlightning.zero"],
     )
+
+
+@pytest.fixture(params=["fallback", "native"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test once on the PyTorch references and once on the compiled kernels (skipped when not built)."""
+    from zlightning.kernels import _ext
+
+    if request.param == "fallback":
+        monkeypatch.setattr(_ext, "available", lambda: False)
+        monkeypatch.setattr(_ext, "_warned", True)
+    elif not _ext.available():
+        pytest.skip(f"native kernels not built: {_ext.status().reason}")
+    return request.param

@@ -9,17 +9,7 @@ import io
 import pytest
 import torch
 from torch import nn
-from zlightning.kernels import CPUAdam, _ext
-
-
-@pytest.fixture(params=["fallback", "native"])
-def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    if request.param == "fallback":
-        monkeypatch.setattr(_ext, "available", lambda: False)
-        monkeypatch.setattr(_ext, "_warned", True)
-    elif not _ext.available():
-        pytest.skip(f"native kernels not built: {_ext.status().reason}")
-    return request.param
+from zlightning.kernels import CPUAdam
 
 
 def _steps(pairs, steps: int, seed: int) -> None:

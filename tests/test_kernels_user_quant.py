@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zlightning.kernels import _ext, dequantize, quantize
+from zlightning.kernels import dequantize, quantize
 from zlightning.kernels._quant import quantize_reference
 
 MODES = [(8, True), (8, False), (4, True), (4, False)]
-
-
-@pytest.fixture(params=["fallback", "native"])
-def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    if request.param == "fallback":
-        monkeypatch.setattr(_ext, "available", lambda: False)
-        monkeypatch.setattr(_ext, "_warned", True)
-    elif not _ext.available():
-        pytest.skip(f"native kernels not built: {_ext.status().reason}")
-    return request.param
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
