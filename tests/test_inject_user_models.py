@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -191,13 +192,13 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _tp_rank(rank: int, world: int) -> bool:
+def _tp2_equals_one_process(make: Callable[[], nn.Module]) -> nn.Module:
+    """Builds ``make()`` from one seed, splits a copy over the 2-rank TP group, trains both 3 SGD steps on the same
+    batches and checks that losses and every parameter agree; returns the split model."""
     torch.manual_seed(0)
-    ref = LM()
+    ref = make()
     tp = copy.deepcopy(ref)
     module_inject(tp, InjectPolicy(tp_size=2, inject_kernels=False), tp_group=build_tp_groups(2).tp_group)
-    assert isinstance(tp.blocks[0].attn, FusedSelfAttention)  # its heads ("heads") are split with the projections
-    assert type(tp.tok) is ScaledEmbedding and tp.head.weight is tp.tok.weight  # replicated, still tied
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))] * 3
     want, got = _train(ref, batches, True), _train(tp, batches, False)
@@ -205,6 +206,13 @@ def _tp_rank(rank: int, world: int) -> bool:
         torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
         for n in w["params"]:
             torch.testing.assert_close(g["params"][n], w["params"][n], rtol=1e-5, atol=1e-6, msg=f"{step} {n}")
+    return tp
+
+
+def _tp_rank(rank: int, world: int) -> bool:
+    tp = _tp2_equals_one_process(LM)
+    assert isinstance(tp.blocks[0].attn, FusedSelfAttention)  # its heads ("heads") are split with the projections
+    assert type(tp.tok) is ScaledEmbedding and tp.head.weight is tp.tok.weight  # replicated, still tied
     exported = LM()
     exported.load_state_dict(tp_full_state(tp))
 
@@ -321,18 +329,8 @@ class NeoXLM(nn.Module):
 
 
 def _neox_rank(rank: int, world: int) -> bool:
-    torch.manual_seed(0)
-    ref = NeoXLM()
-    tp = copy.deepcopy(ref)
-    module_inject(tp, InjectPolicy(tp_size=2, inject_kernels=False), tp_group=build_tp_groups(2).tp_group)
+    tp = _tp2_equals_one_process(NeoXLM)
     assert tp.layers[0].attention.query_key_value.chunks == 1  # whole heads, not a [q; k; v] split
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))] * 3
-    want, got = _train(ref, batches, True), _train(tp, batches, False)
-    for step, (w, g) in enumerate(zip(want, got)):
-        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
-        for n in w["params"]:
-            torch.testing.assert_close(g["params"][n], w["params"][n], rtol=1e-5, atol=1e-6, msg=f"{step} {n}")
     return True
 
 
@@ -382,17 +380,7 @@ class MaskLM(NeoXLM):
 
 
 def _mask_attention_rank(rank: int, world: int) -> dict[str, object]:
-    torch.manual_seed(0)
-    ref = MaskLM()
-    tp = copy.deepcopy(ref)
-    module_inject(tp, InjectPolicy(tp_size=2, inject_kernels=False), tp_group=build_tp_groups(2).tp_group)
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))] * 3
-    want, got = _train(ref, batches, True), _train(tp, batches, False)
-    for step, (w, g) in enumerate(zip(want, got)):
-        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
-        for n in w["params"]:
-            torch.testing.assert_close(g["params"][n], w["params"][n], rtol=1e-5, atol=1e-6, msg=f"{step} {n}")
+    tp = _tp2_equals_one_process(MaskLM)
     try:
         module_inject(MaskLM(fixed_width=True), InjectPolicy(tp_size=2), tp_group=build_tp_groups(2).tp_group)
         refused = None
@@ -452,18 +440,8 @@ class BertLM(NeoXLM):
 
 
 def _bert_rank(rank: int, world: int) -> bool:
-    torch.manual_seed(0)
-    ref = BertLM()
-    tp = copy.deepcopy(ref)
-    module_inject(tp, InjectPolicy(tp_size=2, inject_kernels=False), tp_group=build_tp_groups(2).tp_group)
+    tp = _tp2_equals_one_process(BertLM)
     assert tp.layers[0].self_attn.query.weight.shape[0] == D // 2
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 32, (2, 8), generator=gen), torch.randint(0, 32, (2, 8), generator=gen))] * 3
-    want, got = _train(ref, batches, True), _train(tp, batches, False)
-    for step, (w, g) in enumerate(zip(want, got)):
-        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
-        for n in w["params"]:
-            torch.testing.assert_close(g["params"][n], w["params"][n], rtol=1e-5, atol=1e-6, msg=f"{step} {n}")
     return True
 
 
