@@ -123,3 +123,33 @@ def test_wrong_resumes_are_clear_errors(results: tuple[list[dict[str, Any]], Pat
         no_tp, full = r["errors"]["no_tp"], r["errors"]["full_policy"]
         assert no_tp is not None and "tensor_parallel_size=2" in no_tp and "zlightning consolidate" in no_tp, no_tp
         assert full is not None and "state_dict_type='full'" in full and "zlightning consolidate" in full, full
+
+
+def _failing_save(rank: int, world: int, tmp: str) -> str | None:
+    from zlightning.strategies import ZStackZero3Strategy
+
+    import zlightning  # noqa: F401
+    from zlightning.zero import CheckpointSaveError, _tp_checkpoint
+
+    pl.seed_everything(0, verbose=False)
+    module = SGDModule()
+    trainer = _trainer(Path(tmp), ZStackZero3Strategy(tensor_parallel_size=2), max_steps=1, enable_checkpointing=False)
+    trainer.fit(module, train_dataloaders=loader(N_BATCHES, 2, world))
+    if rank == 1:  # this TP rank's part fails before its data-parallel group could agree on anything
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise PermissionError("staging folder not writable")
+
+        _tp_checkpoint.save_sharded = refuse  # type: ignore[assignment]
+    try:
+        trainer.save_checkpoint(f"{tmp}/ckpt")
+    except CheckpointSaveError as err:
+        return str(err)
+    return None
+
+
+def test_a_part_failing_on_one_rank_fails_every_rank_and_publishes_nothing(tmp_path: Path) -> None:
+    for error in run_distributed(_failing_save, WORLD, str(tmp_path), timeout=120):
+        assert error is not None and "failed on rank 1: PermissionError: staging folder not writable" in error, error
+    assert not (tmp_path / "ckpt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".zl-tmp")]  # the staging folder is removed

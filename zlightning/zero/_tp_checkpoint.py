@@ -108,6 +108,8 @@ def save_sharded_tp(
         save_sharded(state, optimizers, stage / _part(tp_rank), client_state)
     except CheckpointSaveError as err:  # already agreed within this TP rank's data-parallel group
         error = str(err)
+    except Exception as err:  # noqa: BLE001 - before the group agreed (its staging folder): every rank must learn it
+        error = f"saving the tensor-parallel checkpoint {path} failed on rank {rank}: {type(err).__name__}: {err}"
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [e for e in errors if e is not None]
