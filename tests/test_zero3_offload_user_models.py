@@ -4,9 +4,11 @@ parameters of several dtypes; swap folders of ranks that ``multiprocessing`` for
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -59,6 +61,30 @@ def _optimizer(params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
     )
 
 
+class _NetModule(pl.LightningModule):
+    """`_Net` trained on `_loss`; ``make_optimizer(module)`` builds the optimizer (default: `_optimizer`)."""
+
+    def __init__(
+        self,
+        odd_dtype: torch.dtype = torch.float32,
+        make_optimizer: Callable[[pl.LightningModule], torch.optim.Optimizer] | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = _Net(odd_dtype)
+        self.losses: list[float] = []
+        self.make_optimizer = make_optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self.net, batch[0])
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.make_optimizer is not None:
+            return self.make_optimizer(self)
+        return _optimizer(list(self.named_parameters()))
+
+
 def _data() -> torch.Tensor:
     """``STEPS`` global batches of 4 sequences, rank-major within each batch."""
     return torch.randint(0, V, (STEPS * 4, T + 1), generator=torch.Generator().manual_seed(1))
@@ -86,20 +112,6 @@ def _fit(rank: int, world: int, root: str, odd_dtype: torch.dtype) -> dict[str, 
     from tests._lightning_models import state_after_fit
     from zlightning.zero import NVMeOffload
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _Net(odd_dtype)
-            self.losses: list[float] = []
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            loss = _loss(self.net, batch[0])
-            self.losses.append(float(loss.detach()))
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _optimizer(list(self.named_parameters()))
-
     micro = 4 // world
     mine = torch.cat([b[rank * micro : (rank + 1) * micro] for b in _data().chunk(STEPS)])
     out = {}
@@ -110,7 +122,7 @@ def _fit(rank: int, world: int, root: str, odd_dtype: torch.dtype) -> dict[str, 
             if kind == "cpu"
             else ZStackZero3Strategy(offload_optimizer=NVMeOffload(path=swap, buffer_size=1024, buffer_count=6))
         )
-        module = Module()
+        module = _NetModule(odd_dtype)
         trainer = pl.Trainer(
             strategy=strategy,
             accelerator="cpu",
@@ -151,17 +163,6 @@ def _fit_nvme(rank: int, world: int, root: str) -> list[str]:
     import zlightning  # noqa: F401
     from zlightning.zero import NVMeOffload
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _Net(torch.float32)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return _loss(self.net, batch[0])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _optimizer(list(self.named_parameters()))
-
     swap = os.path.join(root, "swap")
     trainer = pl.Trainer(
         strategy=ZStackZero3Strategy(offload_optimizer=NVMeOffload(path=swap, buffer_size=1024, buffer_count=6)),
@@ -173,7 +174,7 @@ def _fit_nvme(rank: int, world: int, root: str) -> list[str]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Module(), DataLoader(TensorDataset(_data()), batch_size=2))
+    trainer.fit(_NetModule(), DataLoader(TensorDataset(_data()), batch_size=2))
     return [f for _, _, fs in os.walk(swap) for f in fs if f.endswith(".swp")]  # the sharded module's state
 
 
@@ -233,21 +234,13 @@ def _fit_with_optimizer(rank: int, world: int, kind: str) -> dict[str, Any]:
 
     calls: list[str] = []
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _Net(torch.float32)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return _loss(self.net, batch[0])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            if kind == "subclass":
-                return _ClampedAdamW(self.parameters(), lr=1e-3)
-            opt = _optimizer(list(self.named_parameters()))
-            opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
-            opt.register_step_post_hook(lambda o, args, kwargs: calls.append(f"post lr={o.param_groups[0]['lr']}"))
-            return opt
+    def make_optimizer(module: pl.LightningModule) -> torch.optim.Optimizer:
+        if kind == "subclass":
+            return _ClampedAdamW(module.parameters(), lr=1e-3)
+        opt = _optimizer(list(module.named_parameters()))
+        opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+        opt.register_step_post_hook(lambda o, args, kwargs: calls.append(f"post lr={o.param_groups[0]['lr']}"))
+        return opt
 
     trainer = pl.Trainer(
         strategy="zstack_zero3_offload",
@@ -260,7 +253,7 @@ def _fit_with_optimizer(rank: int, world: int, kind: str) -> dict[str, Any]:
         enable_model_summary=False,
     )
     try:
-        trainer.fit(Module(), DataLoader(TensorDataset(_data()), batch_size=2))
+        trainer.fit(_NetModule(make_optimizer=make_optimizer), DataLoader(TensorDataset(_data()), batch_size=2))
     except ValueError as err:
         return {"error": str(err)}
     return {"calls": calls}
