@@ -180,7 +180,7 @@ class LaunchedParallelStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning sets it the same way
 
     # ---------------------------------------------------------------- world-wide collectives used by Lightning
     @override

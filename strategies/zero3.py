@@ -304,7 +304,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         if self.compile_config is not None:
             self._compiled = compile_zero3(engine, self.compile_config)
         if fitting:  # validate/test/predict keep the optimizers of the fit (for checkpoints saved afterwards)
-            users = [getattr(o, "_optimizer", o) for o in self.optimizers]
+            users = [getattr(o, "_optimizer", o) for o in self.optimizers]  # type: ignore[has-type]
             # With offload_optimizer the optimizer to step is an OffloadedAdam sharing the user's param_groups.
             self._attached = [attach_optimizer(engine, optimizer, stand_ins=stand_ins) for optimizer in users]
             if any(a is not u for a, u in zip(self._attached, users)):
@@ -540,12 +540,13 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             return super().lightning_module_state_dict()
         if self._sharded():
             return {}  # written shard by shard in save_checkpoint
         self._refuse_full_with_tp()
-        return full_state_dict(self._engine, rank0_only=True)
+        return full_state_dict(engine, rank0_only=True)
 
     def _refuse_full_with_tp(self) -> None:
         if self._tp is not None:  # rank 0 would write its own tensor-parallel slices under the full names
@@ -558,11 +559,12 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             return super().optimizer_state(optimizer)
         if self._sharded():
             return {}
-        return full_optim_state_dict(self._engine, getattr(optimizer, "_optimizer", optimizer), rank0_only=True)
+        return full_optim_state_dict(engine, getattr(optimizer, "_optimizer", optimizer), rank0_only=True)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -625,9 +627,10 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         weights_only = requested_weights_only(weights_only)  # see [Note: Lightning's weights_only after setup]
         if "://" not in str(checkpoint_path):
             checkpoint_path = resolve(checkpoint_path)  # see [Note: the name always resolves] in zlightning/_durable.py
-        if self.engine is not None and self._tp is not None and "://" not in str(checkpoint_path):
+        engine = self.engine
+        if engine is not None and self._tp is not None and "://" not in str(checkpoint_path):
             client = load_sharded_tp(
-                self._engine,
+                engine,
                 self._attached,
                 checkpoint_path,
                 tp_rank=self._tp.tp_rank,
@@ -636,34 +639,36 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             )
             self._loaded_sharded = True
             return client
-        if self.engine is not None and "://" not in str(checkpoint_path) and is_tp_checkpoint(checkpoint_path):
+        if engine is not None and "://" not in str(checkpoint_path) and is_tp_checkpoint(checkpoint_path):
             index = read_tp_index(checkpoint_path)
             raise CheckpointError(
                 f"{checkpoint_path} was saved with tensor_parallel_size={index['tp']}; this run has none. Resume it "
                 "with ZStackZero3Strategy(tensor_parallel_size=...) of that size, or consolidate it (zlightning "
                 "consolidate CKPT model.pt) and load the weights with load_state_dict in configure_model"
             )
-        if self.engine is not None and is_sharded_checkpoint(checkpoint_path):
-            client = load_sharded(self._engine, self._attached, checkpoint_path, weights_only=weights_only)
+        if engine is not None and is_sharded_checkpoint(checkpoint_path):
+            client = load_sharded(engine, self._attached, checkpoint_path, weights_only=weights_only)
             self._loaded_sharded = True
             return client
         self._loaded_sharded = False
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self.engine is not None and self._attached and "optimizer_states" in checkpoint:
+        if engine is not None and self._attached and "optimizer_states" in checkpoint:
             self.load_optimizer_state_dict(checkpoint)
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         if self._loaded_sharded:
             return  # loaded in load_checkpoint
-        load_full_state_dict(self._engine, checkpoint["state_dict"], strict=strict)
+        load_full_state_dict(engine, checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
         if len(states) != len(self._attached):
@@ -672,7 +677,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
                 f"{len(self._attached)} optimizers"
             )
         for optimizer, osd in zip(self._attached, states):
-            load_full_optim_state_dict(self._engine, optimizer, osd)
+            load_full_optim_state_dict(engine, optimizer, osd)
 
     # ---------------------------------------------------------------- reporting
     def memory_report(self) -> MemoryReport:
@@ -681,12 +686,13 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         Raises:
             RuntimeError: called outside setup..teardown (the model is not sharded then).
         """
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             raise RuntimeError(
                 "memory_report() needs a sharded model: call it during fit (e.g. from a callback) or use "
                 "ZeroMemoryMonitor"
             )
-        return memory_report(self._engine, self._attached)
+        return memory_report(engine, self._attached)
 
     @classmethod
     @override

@@ -717,7 +717,7 @@ class DeepSpeedDataSampler:
             cluster_difficulties=[dict(c.difficulties) for c in self.data_clusters],
             cluster_pass=[c.pass_no for c in self.data_clusters],
             cluster_position=[c.position for c in self.data_clusters],
-            rng_state=self.np_rng.bit_generator.state,
+            rng_state=dict(self.np_rng.bit_generator.state),
             scheduler_states={n: s.state_dict() for n, s in self.curriculum_schedulers.items()},
         )
 

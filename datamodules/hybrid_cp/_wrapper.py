@@ -50,7 +50,7 @@ import bisect
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -127,7 +127,7 @@ class HybridCPConfig:
                 raise ValueError(
                     f"HybridCPConfig.from_megatron: config.{name} must be a positive int, got {value!r}{hint}."
                 )
-        return cls(max_seqlen_per_rank=seqlen, cp_size=cp, **overrides)
+        return cls(max_seqlen_per_rank=cast(int, seqlen), cp_size=cp, **overrides)  # checked above
 
     def __post_init__(self) -> None:
         for name in ("max_seqlen_per_rank", "cp_size"):
@@ -769,7 +769,7 @@ def _row_bytes(dtype: torch.dtype, trailing: tuple[int, ...]) -> int:
     return math.prod(trailing) * dtype.itemsize
 
 
-def _to_rows(sub: dict[str, Tensor], schema: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> Tensor:
+def _to_rows(sub: Mapping[str, Tensor], schema: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> Tensor:
     """A sub-sample as one uint8 ``[L, width]`` tensor: each key's row bytes, keys in schema order."""
     length = next(iter(sub.values())).shape[0]
     cols = [sub[k].contiguous().view(torch.uint8).reshape(length, _row_bytes(*schema[k])) for k in schema]
@@ -788,7 +788,9 @@ def _from_rows(rows: Tensor, schema: dict[str, tuple[torch.dtype, tuple[int, ...
     return out
 
 
-def _schema(local: list[dict[str, Tensor]], group: ProcessGroup | None, n: int) -> dict[str, tuple[torch.dtype, tuple]]:
+def _schema(
+    local: Sequence[Mapping[str, Tensor]], group: ProcessGroup | None, n: int
+) -> dict[str, tuple[torch.dtype, tuple]]:
     """Keys, dtypes and trailing shapes of the sub-samples, agreed by all ranks (a rank may have none locally)."""
     mine = {k: (v.dtype, tuple(v.shape[1:])) for k, v in local[0].items()} if local else None
     gathered: list[Any] = [None] * n

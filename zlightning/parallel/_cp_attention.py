@@ -62,12 +62,20 @@ __all__ = ["CPShard", "HybridCPGroups", "PlacedSubSample", "cp_attention", "cp_c
 class PlacedSubSample(Protocol):
     """A sub-sample with the block it runs on (``zlightning.datamodules.hybrid_cp.HybridCPSubSample`` is one)."""
 
-    cp_size: int
-    """Ranks in the block."""
-    block_start: int
-    """First domain rank of the block."""
-    data: Mapping[str, Tensor]
-    """The sub-sample's token-aligned tensors (the whole sub-sample, before the zigzag split)."""
+    @property
+    def cp_size(self) -> int:
+        """Ranks in the block."""
+        ...
+
+    @property
+    def block_start(self) -> int:
+        """First domain rank of the block."""
+        ...
+
+    @property
+    def data(self) -> Mapping[str, Tensor]:
+        """The sub-sample's token-aligned tensors (the whole sub-sample, before the zigzag split)."""
+        ...
 
 
 def _is_power_of_two(n: int) -> bool:
