@@ -302,9 +302,20 @@ class PipelineStrategy(LaunchedParallelStrategy):
         plugin.engine = self.engine
         if trainer.state.fn == TrainerFn.FITTING:
             pipe.check_stage_has_parameters(self.engine.grid.stage)
-            self.setup_optimizers(trainer)
+            self._setup_optimizers(trainer, self.engine)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
+
+    def _setup_optimizers(self, trainer: pl.Trainer, engine: PipelineEngine) -> None:
+        """``configure_optimizers`` over the stage's full-shape parameters, also under ZeRO-2/3 (then re-pointed to
+        the shards), so ``p.ndim``-based weight-decay groups work as in one process."""
+        if engine.zero is None:
+            self.setup_optimizers(trainer)
+            return
+        with engine.zero.full_shape_stand_ins() as stand_ins:
+            self.setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            engine.zero.attach_optimizer(optimizer, stand_ins)
 
     @override
     def model_to_device(self) -> None:

@@ -310,7 +310,7 @@ class PipelineEngine:
         if is_factory:
             module.check_stage_has_parameters(self.grid.stage)
         self.optimizer: torch.optim.Optimizer | None = (
-            optimizer(module.parameters()) if is_factory else optimizer  # type: ignore[operator,assignment,misc]
+            self._build_optimizer(optimizer) if is_factory else optimizer  # type: ignore[arg-type,assignment]
         )
         if isinstance(self.optimizer, torch.optim.Optimizer):
             _check_optimizer_params(self.optimizer, module)
@@ -339,6 +339,18 @@ class PipelineEngine:
         module.set_driver(self)  # batch_loss/predict run the schedule; see [Note: who runs a claimed module]
 
     # ------------------------------------------------------------------------------------------ setup
+    def _build_optimizer(
+        self, factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
+        """``factory(module.parameters())``; under ZeRO-2/3 over full-shape stand-ins, then re-pointed to the
+        shards (see "Optimizers see full shapes" in [Note: ZeRO inside a pipeline stage])."""
+        if self.zero is None:
+            return factory(self.module.parameters())
+        with self.zero.full_shape_stand_ins() as stand_ins:
+            optimizer = factory(self.module.parameters())
+        self.zero.attach_optimizer(optimizer, stand_ins)
+        return optimizer
+
     @property
     def p2p(self) -> P2P:
         """The stage's point-to-point channel."""

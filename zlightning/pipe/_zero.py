@@ -22,6 +22,12 @@ owns, and drives the engine the way a pipeline needs:
   the same on every owning stage: rank (s, d) holds the same slice on every owning stage s, and the pipeline's
   all-reduce of tied gradients over the owning stages adds matching elements.
 
+Optimizers see full shapes. An optimizer made after sharding would see the shard pieces (1-D slices), so the usual
+grouping by ``p.ndim`` (weight decay on matrices only) or by shape would silently put every parameter in one group.
+As in ``zstack_zero3`` (DeepSpeed builds its optimizer before partitioning too), the optimizer factory and Lightning's
+``configure_optimizers`` run inside ``full_shape_stand_ins()`` (meta-device parameters of the full shapes in the
+module's slots) and the optimizer is then re-pointed to the pieces (``attach_optimizer``).
+
 Everything after the schedule keeps its meaning: the data-parallel all-reduce is skipped (the reduce-scatter
 averaged already), clipping sums squares over the data-parallel group too (each rank holds a slice), and the
 optimizer (built over ``module.parameters()``, which are the shard pieces) steps only this rank's slice. The
@@ -57,7 +63,9 @@ from zlightning.zero import (
     zero3_shard,
 )
 from zlightning.zero import memory_report as zero_memory_report
+from zlightning.zero._checkpoint import remap_optimizer
 from zlightning.zero._config import Elements
+from zlightning.zero._param import ZeroParam
 
 __all__ = ["StageSharding"]
 
@@ -145,6 +153,23 @@ class StageSharding:
         if self.stage == 3:
             for state in self.states:
                 state.release_all(keep_persistent=False)
+
+    # ------------------------------------------------------------------------------------------ optimizers
+    @contextlib.contextmanager
+    def full_shape_stand_ins(self) -> Iterator[dict[int, ZeroParam]]:
+        """Inside the block the stage's parameters are meta-device stand-ins of their full shapes, so an optimizer
+        built from ``module.parameters()`` groups them by ``ndim``/shape as in one process; yields what
+        ``attach_optimizer`` needs. See "Optimizers see full shapes" in [Note: ZeRO inside a pipeline stage]."""
+        with contextlib.ExitStack() as stack:
+            stand_ins: dict[int, ZeroParam] = {}
+            for state in self.states:
+                stand_ins.update(stack.enter_context(state.full_shape_stand_ins()))
+            yield stand_ins
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, stand_ins: dict[int, ZeroParam]) -> None:
+        """Re-points ``optimizer`` (built over stand-ins or the full parameters) to this rank's shard pieces."""
+        for state in self.states:
+            remap_optimizer(state, optimizer, stand_ins)
 
     # ------------------------------------------------------------------------------------------ reports
     def memory_report(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

@@ -1,0 +1,150 @@
+"""``zstack_pipeline`` and ``PipelineEngine`` with what users' own training code does (found by probing them the way
+users do), against one process:
+
+* ZeRO-2/3 inside stages with an optimizer that groups parameters by ``p.ndim`` (weight decay on matrices only, its
+  own learning rate for biases and norms): the optimizer factory and ``configure_optimizers`` see full shapes, so
+  the groups are those of one process (they saw 1-D shard pieces and put everything in the no-decay group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from zlightning.pipe import LayerSpec, PipelineConfig, PipelineEngine, PipelineModule
+from zlightning.testing import run_distributed
+
+D, C, GLOBAL_BATCH, STEPS, MICRO = 6, 3, 8, 4, 2
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _layers() -> list[Any]:
+    return [
+        LayerSpec(nn.Linear, D, 16),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, 16, 12),
+        LayerSpec(nn.LayerNorm, 12),
+        LayerSpec(nn.Linear, 12, C),
+    ]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y)
+
+
+def _pipe() -> PipelineModule:
+    return PipelineModule(_layers(), loss_fn=_loss, partition_method="uniform")
+
+
+def _grouped_adamw(params: Any) -> torch.optim.Optimizer:
+    """The usual recipe: decay matrices only, a smaller learning rate for vectors (biases, norms)."""
+    params = list(params)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.5},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": 0.003},
+        ],
+        lr=0.02,
+    )
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(STEPS * GLOBAL_BATCH, D, generator=g)
+    y = torch.randint(0, C, (STEPS * GLOBAL_BATCH,), generator=g)
+    return [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+
+
+def _replica(x: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
+    per = x.shape[0] // dp
+    return x[dp_rank * per : (dp_rank + 1) * per]
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    pipe = _pipe().build()
+    opt = _grouped_adamw(pipe.parameters())
+    losses = []
+    for x, y in _batches():
+        loss = pipe.compute_loss(pipe(x), y)
+        losses.append(float(loss))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+
+
+class _Lit(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipe = _pipe()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.pipe.batch_loss(tuple(batch))
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _grouped_adamw(self.parameters())
+
+
+def _zero_grouped_rank(rank: int, world: int) -> dict[str, Any]:
+    """DP2 x PP2: the engine under ZeRO-2 with a grouping factory, then Lightning under ZeRO-3 with grouping
+    ``configure_optimizers``."""
+    from zlightning.strategies import PipelineStrategy
+
+    out: dict[str, Any] = {}
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        strategy=PipelineStrategy(num_stages=2, config=PipelineConfig(micro_batches=MICRO, zero_stage=3)),
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,  # each replica takes its half of every global batch, as the reference
+    )
+    module = _Lit()
+    dp, dp_rank = 2, rank % 2
+    xs = torch.cat([_replica(x, dp_rank, dp) for x, _ in _batches()])
+    ys = torch.cat([_replica(y, dp_rank, dp) for _, y in _batches()])
+    trainer.fit(module, DataLoader(TensorDataset(xs, ys), batch_size=GLOBAL_BATCH // dp))
+    engine = trainer.strategy.engine  # type: ignore[attr-defined]
+    groups = [[tuple(p.shape) for p in g["params"]] for g in trainer.optimizers[0].param_groups]
+    out["lightning"] = {"losses": module.losses, "state": engine.zero.full_state_dict(), "groups": groups}
+
+    engine = PipelineEngine(_pipe(), _grouped_adamw, PipelineConfig(micro_batches=MICRO, zero_stage=2), num_stages=2)
+    losses = [
+        float(engine.train_batch(batch=(_replica(x, dp_rank, dp), _replica(y, dp_rank, dp)))) for x, y in _batches()
+    ]
+    out["engine"] = {"losses": losses, "state": engine.zero.full_state_dict()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_grouped_runs() -> list[dict[str, Any]]:
+    return run_distributed(_zero_grouped_rank, 4, init_process_group=False, timeout=300)
+
+
+@pytest.mark.parametrize("key", ["lightning", "engine"])
+def test_zero_in_stages_keeps_ndim_param_groups(zero_grouped_runs: list[dict[str, Any]], key: str) -> None:
+    ref_losses, ref_state = _reference()
+    merged: dict[str, torch.Tensor] = {}
+    for r in zero_grouped_runs:
+        torch.testing.assert_close(r[key]["losses"], ref_losses, **TOL)
+        merged.update(r[key]["state"])
+    assert set(merged) == set(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(merged[name], value, **TOL, msg=name)
+    if key == "lightning":  # the groups hold this rank's shard pieces (1-D), matrices in the first one
+        for r in zero_grouped_runs:
+            decay, vectors = r[key]["groups"]
+            assert decay and vectors and all(len(s) == 1 for s in decay + vectors), r[key]["groups"]
