@@ -3,11 +3,15 @@ users do), against one process:
 
 * ZeRO-2/3 inside stages with an optimizer that groups parameters by ``p.ndim`` (weight decay on matrices only, its
   own learning rate for biases and norms): the optimizer factory and ``configure_optimizers`` see full shapes, so
-  the groups are those of one process (they saw 1-D shard pieces and put everything in the no-decay group).
+  the groups are those of one process (they saw 1-D shard pieces and put everything in the no-decay group);
+* a checkpoint resumed onto another grid (here: another schedule, so another split) keeps the learning rate an LR
+  scheduler had moved when the optimizer holds no per-parameter state (SGD without momentum): the next step equals
+  the uninterrupted run's (the resumed optimizer restarted from the initial learning rate).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from zlightning.pipe import LayerSpec, PipelineConfig, PipelineEngine, PipelineModule
+from zlightning.pipe import (
+    LayerSpec,
+    PipelineConfig,
+    PipelineEngine,
+    PipelineModule,
+    load_pipeline_checkpoint,
+    save_pipeline_checkpoint,
+)
 from zlightning.testing import run_distributed
 
 D, C, GLOBAL_BATCH, STEPS, MICRO = 6, 3, 8, 4, 2
@@ -148,3 +159,36 @@ def test_zero_in_stages_keeps_ndim_param_groups(zero_grouped_runs: list[dict[str
         for r in zero_grouped_runs:
             decay, vectors = r[key]["groups"]
             assert decay and vectors and all(len(s) == 1 for s in decay + vectors), r[key]["groups"]
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.4)  # no momentum: no per-parameter state at all
+
+
+def _resume_other_schedule_rank(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    batches = _batches()
+    engine = PipelineEngine(_pipe(), _sgd, PipelineConfig(micro_batches=MICRO), num_stages=2)
+    scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)  # type: ignore[arg-type]
+    for x, y in batches[:2]:
+        engine.train_batch(batch=(x, y))
+        scheduler.step()
+    save_pipeline_checkpoint(engine, Path(ckpt))
+    engine.train_batch(batch=batches[2])
+    resumed = PipelineEngine(_pipe(), _sgd, PipelineConfig(micro_batches=MICRO, schedule="zbv"), num_stages=2)
+    load_pipeline_checkpoint(resumed, Path(ckpt))
+    lrs = (engine.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
+    resumed.train_batch(batch=batches[2])
+    return {"lrs": lrs, "next": dict(engine.module.state_dict()), "resumed": dict(resumed.module.state_dict())}
+
+
+def test_resume_on_another_split_keeps_the_scheduled_learning_rate(tmp_path: Path) -> None:
+    runs = run_distributed(_resume_other_schedule_rank, 2, str(tmp_path / "ckpt"), timeout=240)
+    expected: dict[str, torch.Tensor] = {}
+    resumed: dict[str, torch.Tensor] = {}
+    for r in runs:
+        assert r["lrs"] == (0.1, 0.1), r["lrs"]  # 0.4 halved twice (the bug: 0.4, the initial one)
+        expected.update(r["next"])
+        resumed.update(r["resumed"])
+    assert set(resumed) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(resumed[name], value, **TOL, msg=name)

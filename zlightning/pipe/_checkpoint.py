@@ -30,7 +30,10 @@ stage count, split or data-parallel size) each rank reads every optimizer file, 
 the parameters it now holds (with ZeRO-1: only those it now owns) by name, and the hyperparameters of the saved
 group each came from; so ZeRO-1 state saved on DP=2 x PP=2 resumes on PP=4 or DP=1 x PP=2 exactly. This needs an
 optimizer whose state is per parameter (every ``torch.optim`` optimizer except LBFGS) and the same param-group
-layout on both sides. A tied parameter's state is the same on all its owning stages; any copy serves.
+layout on both sides. A tied parameter's state is the same on all its owning stages; any copy serves. A group's
+hyperparameters (the learning rate an LR scheduler has moved) come from the saved group of one of its parameters,
+also when no parameter of the group has per-parameter state on this rank: an optimizer without any (SGD without
+momentum), or ZeRO-1 state owned by another replica; the fresh optimizer's values would restart the LR schedule.
 
 [Note: ZeRO-2/3 checkpoints]
 Under ``zero_stage`` 2 or 3 each replica holds a slice of its stage. Saving gathers, one collective per engine of the
@@ -273,8 +276,10 @@ def _regridded_state(
     if engine.zero1 is not None:
         owned = {id(p) for p, o in zip(engine.zero1.params, engine.zero1.owner) if o == engine.grid.dp_rank}
     wanted = {names[id(p)]: i for i, p in enumerate(params) if id(p) in names and id(p) in owned}
+    index_of = {names[id(p)]: i for i, p in enumerate(params) if id(p) in names}
     state: dict[int, Any] = {}
     group_of: dict[int, dict[str, Any]] = {}
+    listed_in: dict[int, dict[str, Any]] = {}  # any saved group naming the parameter, state or not
     files = sorted(f for f in path.iterdir() if _OPTIM_RE.match(f.name))
     for f in files:
         # on the host: only this rank's share is kept; load_state_dict moves it next to the parameters
@@ -286,6 +291,8 @@ def _regridded_state(
             )
         index_group = {i: g for g in saved["param_groups"] for i in g["params"]}
         for i, name in enumerate(saved_names):
+            if name in index_of:
+                listed_in.setdefault(index_of[name], index_group[i])
             if name in wanted and i in saved["state"] and wanted[name] not in state:
                 state[wanted[name]] = saved["state"][i]
                 group_of[wanted[name]] = index_group[i]
@@ -293,6 +300,8 @@ def _regridded_state(
     groups = []
     for g in current["param_groups"]:
         source = next((group_of[i] for i in g["params"] if i in group_of), None)
+        if source is None:  # no state here (SGD without momentum, ZeRO-1 owned elsewhere): see the Note
+            source = next((listed_in[i] for i in g["params"] if i in listed_in), None)
         hyper = {k: v for k, v in (source or g).items() if k not in ("params", "param_names")}
         groups.append({**g, **hyper})  # this grid's parameter indices (and names, if any), the saved hyperparameters
     if engine.zero is not None:
