@@ -106,7 +106,7 @@ class ZeroOffload:
         """Bytes of one pool buffer: one state tensor of the largest sub-group, in its group's dtype (see [Note:
         optimizer state in the parameter's dtype] in ``_offload_optimizer.py``)."""
         return max(
-            (self.sub_group_numel_of(g) * g.master_dtype.itemsize for g in self.state.groups if g.requires_grad),
+            (self.sub_group_numel_of(g) * g.master_dtype.itemsize for g in self.state.groups if g.trainable_at_build),
             default=0,
         )
 
@@ -122,7 +122,7 @@ class ZeroOffload:
         if isinstance(opt, NVMeOffload):
             per = 0
             for g in self.state.groups:
-                if g.requires_grad:
+                if g.trainable_at_build:
                     sub = self.sub_group_numel_of(g)
                     full, rest = divmod(g.shard_numel, sub)
                     per += full * _state_bytes(sub, g.master_dtype) + (

@@ -243,7 +243,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         swapper = self.offload.optimizer_swapper
         out = []
         for gi, g in enumerate(self.engine.groups):
-            if not g.requires_grad:
+            if not g.trainable_at_build:
                 continue
             size, dtype = self.offload.sub_group_numel_of(g), g.master_dtype
             base = g.rank * g.shard_numel

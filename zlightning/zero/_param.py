@@ -27,7 +27,7 @@ class ZeroParam:
     shape: torch.Size  # full shape
     numel: int
     dtype: torch.dtype  # master dtype
-    requires_grad: bool
+    trainable_at_build: bool  # requires_grad when the engine was built (see `requires_grad` for the current one)
     offset: int  # start within the group's unsharded flat layout
     local_start: int  # this rank's piece, in group-flat coordinates [local_start, local_end)
     local_end: int
@@ -42,11 +42,19 @@ class ZeroParam:
         self.shape = param.shape
         self.numel = param.numel()
         self.dtype = param.dtype
-        self.requires_grad = param.requires_grad
+        self.trainable_at_build = param.requires_grad
         self.original = param
         self.offset = 0
         self.local_start = 0
         self.local_end = 0
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter trains now: its piece's flag, which users (or Lightning's ``BaseFinetuning``)
+        switch on the module's parameters during training (see [Note: freezing and unfreezing a sharded
+        parameter] in ``_param_group.py``)."""
+        piece = self.__dict__.get("piece")
+        return self.trainable_at_build if piece is None else piece.requires_grad
 
     @property
     def local_numel(self) -> int:

@@ -13,6 +13,16 @@ saved-tensor version check. Releasing leaves the storage with 0 bytes (its memor
 pools its step buffers] in ``_buffers.py``): tensors that autograd saved keep their identity and get their bytes back
 when the group is gathered again before its backward.
 
+[Note: freezing and unfreezing a sharded parameter]
+Users switch ``requires_grad`` during training (Lightning's ``BaseFinetuning`` freezes a backbone in ``setup``, before
+the model is sharded, and unfreezes it at some epoch, adding it to the optimizer as a new param group; others freeze
+layers mid-run). The flag lives on the pieces, which are the module's parameters while sharded, so the engine reads
+it there at every use instead of fixing it when the groups were built (they were built per ``requires_grad``, and
+that grouping stays): a group takes the autograd path while any of its parameters trains, and a frozen parameter in
+it gets a detached full tensor, hence no gradient and (by [Note: unused parameters] in ``_state.py``) ``grad=None``,
+which the optimizer skips. A frozen group was previously never differentiated again, so an unfrozen backbone
+silently never trained; a parameter frozen after the build kept receiving gradients and updates.
+
 [Note: gradients through autograd]
 In grad mode the full tensors are the outputs of ``_UnshardFn`` whose inputs are the shard pieces. Autograd calls its
 backward once per application, after every use of those full tensors has produced its gradient (modules called
@@ -133,7 +143,7 @@ class ZeroParamGroup:
     params: list[ZeroParam]
     context: GroupContext
     persistent: bool  # stays gathered between uses (small parameters)
-    requires_grad: bool
+    trainable_at_build: bool  # its parameters' requires_grad when the engine was built (one value per group)
     numel: int  # T: unpadded total
     shard_numel: int  # S
     shard: torch.Tensor  # [S] master dtype; pieces are views
@@ -154,7 +164,7 @@ class ZeroParamGroup:
         self.params = params
         self.context = context
         self.persistent = persistent
-        self.requires_grad = params[0].requires_grad
+        self.trainable_at_build = params[0].trainable_at_build
         self.master_dtype = params[0].dtype
         self.param_dtype = (
             param_dtype if (param_dtype is not None and self.master_dtype.is_floating_point) else self.master_dtype
@@ -180,6 +190,11 @@ class ZeroParamGroup:
         # True while the shard has its shape but no bytes (see [Note: initial values straight to disk])
         self.values_pending = False
         self._build_shard(defer_values and all(p.original.is_meta for p in params))
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any of its parameters trains now (see [Note: freezing and unfreezing a sharded parameter])."""
+        return any(p.requires_grad for p in self.params)
 
     # ---------------------------------------------------------------- construction
     def _build_shard(self, defer_values: bool) -> None:
@@ -334,14 +349,25 @@ class ZeroParamGroup:
         if self.status is not GroupState.UNSHARDED:
             raise AssertionError(f"install() on a group in state {self.status}")
         fulls: list[torch.Tensor] | tuple[torch.Tensor, ...]
+        if self.requires_grad and not self.trainable_at_build and self.context.offload is not None:
+            names = [p.fqn for p in self.params if p.requires_grad]
+            raise RuntimeError(
+                f"ZeRO-3 offload: {names[:4]}{' ...' if len(names) > 4 else ''} were frozen (requires_grad=False) "
+                "when the model was sharded and are trainable now. Offloaded optimizer state and parameter swap "
+                "plans exist only for the parameters trainable at setup. Build the model with them trainable (an "
+                "optimizer param group with lr=0 keeps them still until you raise it), or unfreeze them under "
+                "zstack_zero3 without offload."
+            )
         if self.requires_grad and torch.is_grad_enabled():
             if recompute and self._node_pending(pass_id):
                 self._install(self._node_fulls)  # type: ignore[arg-type]
                 return
             if self._fulls_pass != pass_id or self._autograd_fulls is None:
-                self._autograd_fulls = _UnshardFn.apply(self, *[p.piece for p in self.params])
+                fulls = _UnshardFn.apply(self, *[p.piece for p in self.params])
                 if self.context.separate_grad_edges:
-                    self._autograd_fulls = tuple(t.view_as(t) for t in self._autograd_fulls)
+                    fulls = tuple(t.view_as(t) for t in fulls)
+                # a frozen parameter in a group that trains gets no gradient, as in plain PyTorch
+                self._autograd_fulls = tuple(t if p.requires_grad else t.detach() for p, t in zip(self.params, fulls))
                 self._fulls_pass = pass_id
                 self._node_pass = pass_id
                 self._node_fulls = self._autograd_fulls
@@ -480,5 +506,5 @@ def split_by_kind(params: list[ZeroParam]) -> list[list[ZeroParam]]:
     parameters need no reduce-scatter."""
     kinds: dict[tuple[torch.dtype, bool], list[ZeroParam]] = {}
     for zp in params:
-        kinds.setdefault((zp.dtype, zp.requires_grad), []).append(zp)
+        kinds.setdefault((zp.dtype, zp.trainable_at_build), []).append(zp)
     return list(kinds.values())

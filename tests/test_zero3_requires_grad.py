@@ -1,0 +1,121 @@
+"""``requires_grad`` switched during training under ``zstack_zero3`` (2 gloo ranks), against one process: Lightning's
+``BackboneFinetuning`` (backbone frozen before sharding, unfrozen at an epoch into a new param group), layers frozen
+mid-run, and the clear error where offload cannot follow an unfreeze."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from zlightning.testing import DistributedTestError, run_distributed
+
+D, V, T = 16, 24, 6
+BATCHES = 2  # per epoch (global batches of 4 sequences)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class _Model(pl.LightningModule):
+    """Embedding, a three-block ``backbone`` and a head; ``freeze_at``: the backbone's Linear layers stop training
+    from that global step on (set in ``on_train_batch_start``)."""
+
+    def __init__(self, freeze_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D)
+        self.backbone = nn.Sequential(*[_Block() for _ in range(3)])
+        self.head = nn.Linear(D, V)
+        self.freeze_at = freeze_at
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.freeze_at is not None and self.global_step == self.freeze_at:
+            for block in self.backbone:
+                block.fc.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        seq = batch[0]
+        logits = self.head(self.backbone(self.emb(seq[:, :-1])))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, V), seq[:, 1:].reshape(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _data() -> torch.Tensor:
+    return torch.randint(0, V, (BATCHES * 4, T + 1), generator=torch.Generator().manual_seed(1))
+
+
+def _fit(rank: int, world: int, strategy: str, finetune: bool, freeze_at: int | None, epochs: int) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import zlightning  # noqa: F401
+    from tests._lightning_models import state_after_fit
+
+    micro = 4 // world
+    mine = torch.cat([b[rank * micro : (rank + 1) * micro] for b in _data().chunk(BATCHES)])
+    module = _Model(freeze_at)
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)] if finetune else []
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_epochs=epochs,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(mine), batch_size=micro))
+    return {
+        "losses": module.losses,
+        "state": state_after_fit(module),
+        "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
+    }
+
+
+def _compare(ref: dict[str, Any], out: list[dict[str, Any]]) -> None:
+    mean = [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"])]
+    torch.testing.assert_close(mean, ref["losses"], rtol=1e-5, atol=1e-6)
+    for got in out:
+        assert got["trainable"] == ref["trainable"]
+        for name, value in ref["state"].items():
+            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_backbone_finetuning_unfreezes_the_sharded_backbone() -> None:
+    """The backbone is frozen in ``setup`` (before sharding) and unfrozen at epoch 1 into a new param group: it used
+    to stay frozen for good under zstack_zero3 (its groups were built without gradients), silently."""
+    args = ("zstack_zero3", True, None, 3)
+    ref = run_distributed(_fit, 1, "auto", *args[1:], init_process_group=False, timeout=180)[0]
+    assert ref["losses"][2:] != ref["losses"][:-2]  # the backbone trains after the unfreeze
+    _compare(ref, run_distributed(_fit, 2, *args, init_process_group=False, timeout=180))
+
+
+def test_layers_frozen_mid_run_stop_training() -> None:
+    """Layers frozen after the model was sharded kept receiving gradients and updates."""
+    ref = run_distributed(_fit, 1, "auto", False, 2, 2, init_process_group=False, timeout=180)[0]
+    out = run_distributed(_fit, 2, "zstack_zero3", False, 2, 2, init_process_group=False, timeout=180)
+    _compare(ref, out)
+
+
+def test_unfreezing_under_offload_is_a_clear_error() -> None:
+    with pytest.raises(DistributedTestError, match=r"backbone\.0\..*frozen \(requires_grad=False\) when the model"):
+        run_distributed(_fit, 2, "zstack_zero3_offload", True, None, 2, init_process_group=False, timeout=180)
