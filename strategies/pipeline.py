@@ -2,8 +2,9 @@
 
 [Note: how a step maps onto Lightning]
 The LightningModule holds a ``PipelineModule`` (``self.pipe = PipelineModule(layers=..., loss_fn=...)``) and its
-``training_step`` returns ``self.pipe.batch_loss(batch)``. ``setup`` builds only this rank's stage(s) through a
-``PipelineEngine`` before ``configure_optimizers`` runs (so optimizers see the local parameters). ``batch_loss`` runs
+``training_step`` returns ``self.pipe.batch_loss(batch)``. ``setup_environment`` builds only this rank's stage(s)
+through a ``PipelineEngine`` before the module's ``setup`` hook and ``configure_optimizers`` run (so they see the local
+parameters; see [Note: the stage exists from the setup hook on]). ``batch_loss`` runs
 the whole schedule, backward included, and returns the batch's mean loss on every rank, so ``self.log`` and the
 progress bar show the true number. ``backward`` is therefore a no-op here (its hooks still fire), and
 the gradients are moved aside until then so Lightning's ``zero_grad`` (which runs between the two) cannot erase them;
@@ -12,6 +13,13 @@ reduction, global-norm clipping over all stages (``Trainer(gradient_clip_val=...
 ``accumulate_grad_batches`` works: micro-batch losses are scaled by ``1 / accumulate`` and gradients are reduced
 once, before the step. Validation, test and prediction use the inference schedule (``batch_loss`` under no-grad,
 ``self.pipe.predict(inputs)``).
+
+[Note: the stage exists from the setup hook on]
+The engine (and so this rank's stage) is built in ``setup_environment``, right after the process group, not in
+``setup``: Lightning calls the LightningModule's ``setup(stage)`` and ``configure_model`` hooks in between, and code
+there that walks ``self.pipe.named_parameters()`` (freezing layers by name, counting parameters) would see an
+unbuilt module with no parameters and silently do nothing, while the same code works in one process (where the
+module builds itself on first use). They see this rank's layers instead, as ``configure_optimizers`` does.
 
 [Note: checkpoints here]
 ``trainer.save_checkpoint``/``ModelCheckpoint`` write a directory (``zlightning.pipe.save_pipeline_checkpoint``:
@@ -271,11 +279,31 @@ class PipelineStrategy(LaunchedParallelStrategy):
         return found[0]
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._build_engine()  # see [Note: the stage exists from the setup hook on]
+
+    def _build_engine(self) -> PipelineEngine:
+        """This rank's stage(s) and the engine, once (the process group must exist)."""
+        if self.engine is None:
+            pipe = self._pipe_module()
+            if self.partition is not None and not pipe.is_built:
+                pipe.partition_method = self.partition
+            config = self.config
+            if getattr(self.precision_plugin, "precision", None) == "16-mixed" and config.loss_scaler is None:
+                config = dataclasses.replace(config, loss_scaler=LossScalerConfig())
+            self.engine = PipelineEngine(pipe, None, config, num_stages=self.grid().pp, device=self.root_device)
+        return self.engine
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.accelerator is None or self.model is None:
             raise AssertionError("setup() before connect()")
         self.accelerator.setup(trainer)
         pipe = self._pipe_module()
+        self._build_engine()
+        if self.engine is None:
+            raise AssertionError("unreachable: _build_engine sets the engine")
         inside = {id(p) for p in pipe.parameters()}
         outside = [n for n, p in self.lightning_module.named_parameters() if id(p) not in inside]
         if outside:
@@ -283,15 +311,8 @@ class PipelineStrategy(LaunchedParallelStrategy):
                 f"zstack_pipeline: parameters outside the PipelineModule are not supported (found {outside[:3]}); "
                 "make them layers of the PipelineModule"
             )
-        if self.partition is not None and not pipe.is_built:
-            pipe.partition_method = self.partition
-        if self.engine is None:
-            config = self.config
-            if getattr(self.precision_plugin, "precision", None) == "16-mixed" and config.loss_scaler is None:
-                config = dataclasses.replace(config, loss_scaler=LossScalerConfig())
-            self.engine = PipelineEngine(pipe, None, config, num_stages=self.grid().pp, device=self.root_device)
-            if self.engine.groups.data is not None:  # see [Note: PP x TP in Lightning]
-                metrics_to_group(self.lightning_module, self.engine.groups.data)
+        if self.engine.groups.data is not None:  # see [Note: PP x TP in Lightning]; also metrics made in setup()
+            metrics_to_group(self.lightning_module, self.engine.groups.data)
         pipe.set_driver(self.engine)  # (again, after a teardown: fit then predict with one Trainer)
         self.engine.loss_scale_factor = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.engine.stash_gradients = True  # see [Note: gradients across Lightning's zero_grad] in zlightning.pipe

@@ -6,7 +6,9 @@ users do), against one process:
   the groups are those of one process (they saw 1-D shard pieces and put everything in the no-decay group);
 * a checkpoint resumed onto another grid (here: another schedule, so another split) keeps the learning rate an LR
   scheduler had moved when the optimizer holds no per-parameter state (SGD without momentum): the next step equals
-  the uninterrupted run's (the resumed optimizer restarted from the initial learning rate).
+  the uninterrupted run's (the resumed optimizer restarted from the initial learning rate);
+* layers frozen by name in the LightningModule's ``setup`` hook stay frozen, as in one process (the hook saw an
+  unbuilt module without parameters, so nothing was frozen and the run silently trained every layer).
 """
 
 from __future__ import annotations
@@ -192,3 +194,59 @@ def test_resume_on_another_split_keeps_the_scheduled_learning_rate(tmp_path: Pat
     assert set(resumed) == set(expected)
     for name, value in expected.items():
         torch.testing.assert_close(resumed[name], value, **TOL, msg=name)
+
+
+class _FreezeFirstLayer(_Lit):
+    """Freezes layer 0 by name in ``setup``, the way a fine-tuning script does."""
+
+    def setup(self, stage: str) -> None:
+        for name, p in self.pipe.named_parameters():
+            if name.startswith("0."):
+                p.requires_grad_(False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.02)
+
+
+def _freeze_in_setup_rank(rank: int, world: int) -> dict[str, Any]:
+    from zlightning.strategies import PipelineStrategy
+
+    pl.seed_everything(0, verbose=False)
+    module = _FreezeFirstLayer()
+    trainer = pl.Trainer(
+        strategy=PipelineStrategy(num_stages=2, micro_batches=MICRO),
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    xs, ys = (torch.cat(t) for t in zip(*_batches()))
+    trainer.fit(module, DataLoader(TensorDataset(xs, ys), batch_size=GLOBAL_BATCH))
+    return {"losses": module.losses, "state": dict(module.pipe.state_dict())}
+
+
+def test_layers_frozen_in_the_setup_hook_stay_frozen() -> None:
+    runs = run_distributed(_freeze_in_setup_rank, 2, init_process_group=False, timeout=240)
+    pipe = _pipe().build()
+    initial = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pipe.get_submodule("0").requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], lr=0.02)
+    losses = []
+    for x, y in _batches():
+        loss = pipe.compute_loss(pipe(x), y)
+        losses.append(float(loss))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    merged: dict[str, torch.Tensor] = {}
+    for r in runs:
+        torch.testing.assert_close(r["losses"], losses, **TOL)
+        merged.update(r["state"])
+    torch.testing.assert_close(merged["0.weight"], initial["0.weight"], rtol=0, atol=0)
+    assert set(merged) == set(pipe.state_dict())
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(merged[name], value, **TOL, msg=name)
