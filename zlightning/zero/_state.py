@@ -499,9 +499,24 @@ class ZeroState:
             self.offload.prefetch([g for u in reversed(self._order[: pos + 1]) for g in u.groups])
         unit.unshard()  # also waits for a prefetch still in flight
         unit.install_for_backward(self._pass_id)  # see [Note: a unit's forward inside backward]
+        if self.device.type == "cpu":  # see [Note: host reductions finish before the next unit computes]
+            while self._pending:
+                self._drain_one()
         if self.config.overlap_comm and unit in self._order:
             pos = self._order.index(unit)
             self._prefetch(list(reversed(self._order[:pos])))
+
+    # [Note: host reductions finish before the next unit computes]
+    # On a device, a unit's reduce-scatter stays in flight through the next unit's backward (one collective hides
+    # behind one unit's compute). On the host that moment was the step's peak: the unit computing, the next one
+    # prefetched, the autograd gradient being produced and the packed gradient of the reduction in flight, four
+    # unit-sized buffers, where the compute it overlaps competes for the same cores as gloo's threads anyway. So
+    # on the host the reduction is finished once the next unit is gathered, before that unit's prefetch, whose
+    # gather then takes the finished reduction's pool slot: the reduction still overlaps the gather of the unit,
+    # and the unit computes with three buffers (itself, the prefetched one, its gradient).
+    # Measured through Trainer.fit at 2 ranks (Linear(1024) + Tanh blocks, AdamW): peak resident growth 9.35 ->
+    # 9.18 bytes per parameter with 24 blocks, 9.01 -> 8.88 with 32; median step 0.575 -> 0.583 s (three
+    # alternating runs each, within this machine's noise).
 
     def _prefetch(self, upcoming: list[ZeroUnit]) -> None:
         budget = self.prefetch_budget
