@@ -41,11 +41,12 @@ test: $(STAMP) lint
 # Python layer (mypy; a separate run, since kernels/ is mapped into zlightning.kernels), configured in pyproject.toml;
 # part of `make test`.
 lint: $(STAMP)
-	@echo ">> ruff check, ruff format --check and mypy zlightning, kernels"
+	@echo ">> ruff check, ruff format --check and mypy zlightning, kernels, strategies, datamodules"
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy zlightning
 	$(PY) -m mypy kernels
+	$(PY) -m mypy strategies datamodules
 
 bench: $(STAMP)
 	@echo ">> side-by-side benchmark: DDP, FSDP2, DeepSpeed ZeRO-3 (separate venv), zstack_zero3"

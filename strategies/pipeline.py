@@ -140,9 +140,9 @@ class PipelinePrecision(Precision):
         return result
 
     @override
-    def optimizer_step(
+    def optimizer_step(  # type: ignore[override]  # Lightning's own precision plugins widen it the same way
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:  # type: ignore[override]
+    ) -> Any:
         engine = self._engine()
         if engine.scaler is None:
             out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
