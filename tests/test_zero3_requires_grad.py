@@ -119,3 +119,53 @@ def test_layers_frozen_mid_run_stop_training() -> None:
 def test_unfreezing_under_offload_is_a_clear_error() -> None:
     with pytest.raises(DistributedTestError, match=r"backbone\.0\..*frozen \(requires_grad=False\) when the model"):
         run_distributed(_fit, 2, "zstack_zero3_offload", True, None, 2, init_process_group=False, timeout=180)
+
+
+def _fit_then_resume(rank: int, world: int, strategy: str, root: str) -> dict[str, Any]:
+    """Two epochs (the backbone joins the optimizer at epoch 1), a checkpoint, then a new Trainer resumes to 3."""
+    import os
+
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import zlightning  # noqa: F401
+    from tests._lightning_models import state_after_fit
+
+    micro = 4 // world
+    mine = torch.cat([b[rank * micro : (rank + 1) * micro] for b in _data().chunk(BATCHES)])
+    path = os.path.join(root, f"w{world}.ckpt")
+    losses = []
+    for epochs, ckpt in ((2, None), (3, path)):
+        module = _Model()
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=world,
+            max_epochs=epochs,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)],
+        )
+        trainer.fit(module, DataLoader(TensorDataset(mine), batch_size=micro), ckpt_path=ckpt)
+        if ckpt is None:
+            trainer.save_checkpoint(path)
+        losses += module.losses
+    groups = [len(g["params"]) for g in trainer.optimizers[0].param_groups]
+    lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+    return {"losses": losses, "state": state_after_fit(module), "trainable": [], "groups": groups, "lrs": lrs}
+
+
+def test_resume_restores_param_groups_added_during_training(tmp_path: Any) -> None:
+    """The checkpoint's optimizer has the group BackboneFinetuning added; the resumed run's configure_optimizers
+    builds one group, and Lightning restores this strategy's optimizer before the callback could add it back: loading
+    failed ("the optimizer's parameters differ"). Now the group is restored, as Lightning does in one process (which
+    then leaves the backbone frozen after the resume: the callback froze it in setup)."""
+    ref = run_distributed(_fit_then_resume, 1, "auto", str(tmp_path), init_process_group=False, timeout=180)[0]
+    out = run_distributed(_fit_then_resume, 2, "zstack_zero3", str(tmp_path), init_process_group=False, timeout=240)
+    for got in out:
+        assert got["groups"] == ref["groups"] == [3, 12]
+        assert got["lrs"] == pytest.approx(ref["lrs"])
+    _compare(ref, out)

@@ -505,12 +505,20 @@ def load_sharded(
             piece = _assemble(lo, hi, src.old_shard, saved_shard, g.master_dtype)
             shard[zp.local_start - base : zp.local_end - base].copy_(piece)
         new_shards.append(shard)
-    opt_states = [_build_optimizer_state(state, opt, files, sources, i) for i, opt in enumerate(optimizers)]
+
+    def every_rank(which: int) -> list[dict[str, Any]]:
+        old_world = int(meta["world_size"])
+        _verify_files(path, meta, [_rank_file(r) for r in range(old_world)])
+        return [files.get(r)["optimizers"][which] for r in range(old_world)]
+
+    opt_states = [_build_optimizer_state(state, opt, files, sources, i, every_rank) for i, opt in enumerate(optimizers)]
     with torch.no_grad(), state.resident():  # parameter offload: written back to the swap files on exit
         for g, new in zip(state.groups, new_shards):
             g.shard.zero_()
             g.shard[: new.numel()].copy_(new.to(g.shard.device))
-    for opt, sd in zip(optimizers, opt_states):
+    for opt, (sd, added) in zip(optimizers, opt_states):
+        for group in added:  # see [Note: param groups added during training]
+            opt.add_param_group(group)
         opt.load_state_dict(sd)
     if buffers:
         state.root.load_state_dict(buffers, strict=False)
@@ -518,32 +526,100 @@ def load_sharded(
     return client
 
 
+# [Note: param groups added during training]
+# A run may add param groups to its optimizer while it trains (``add_param_group``: Lightning's ``BaseFinetuning``
+# adds the unfrozen backbone at some epoch). Its checkpoint then holds more groups than the optimizer that
+# ``configure_optimizers`` builds when the run resumes, and Lightning restores this strategy's optimizers before the
+# callback could add them back (``restore_checkpoint_after_setup``): loading failed. When the optimizer's groups are
+# exactly the checkpoint's first ones and the rest hold other parameters of this model, those groups are added with
+# their saved hyper-parameters. Ranks may have saved them differently: ``BaseFinetuning`` skips parameters that
+# ``torch.equal`` finds in the optimizer already, and every empty piece (a parameter with no elements on a rank)
+# equals every other, so each rank's group lacked its own empty pieces. A group is therefore the union over the
+# saved ranks, and each parameter's state comes from whichever rank saved it.
+def _groups_added_since(
+    state: ZeroState, optimizer: torch.optim.Optimizer, heads: list[dict[str, Any]], live: list[int | None]
+) -> list[list[int]] | None:
+    """Per param group the checkpoint has beyond the optimizer's own, its parameters (``ZeroParam.index``, in saved
+    order); None when the checkpoint's groups do not extend the optimizer's."""
+    k, sizes = len(optimizer.param_groups), [len(g["params"]) for g in optimizer.param_groups]
+    extra_groups = {len(h["param_groups"]) for h in heads}
+    if len(extra_groups) != 1 or extra_groups.pop() <= k:
+        return None
+    added: list[list[int]] = [[] for _ in heads[0]["param_groups"][k:]]
+    for head in heads:
+        groups, saved_index = head["param_groups"], head["param_index"]
+        if [len(g["params"]) for g in groups[:k]] != sizes or saved_index[: len(live)] != live:
+            return None
+        pos = len(live)
+        for j, g in enumerate(groups[k:]):
+            for i in saved_index[pos : pos + len(g["params"])]:
+                if i is None or not 0 <= i < len(state.params) or i in live:
+                    return None
+                if i not in added[j]:
+                    added[j].append(i)
+            pos += len(g["params"])
+    everywhere = [i for group in added for i in group]
+    return added if len(everywhere) == len(set(everywhere)) else None
+
+
 def _build_optimizer_state(
-    state: ZeroState, optimizer: torch.optim.Optimizer, files: _RankFiles, sources: Mapping[str, _Source], which: int
-) -> dict[str, Any]:
+    state: ZeroState,
+    optimizer: torch.optim.Optimizer,
+    files: _RankFiles,
+    sources: Mapping[str, _Source],
+    which: int,
+    every_rank: Callable[[int], list[dict[str, Any]]],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The optimizer's state dict for ``load_state_dict``, and the param groups to add to it first (see [Note: param
+    groups added during training])."""
     head = files.get(0)["optimizers"][which]
     index = _optimizer_index(state, optimizer)
     saved_index = head["param_index"]
-    if [zp.index if zp is not None else None for zp in index] != saved_index:
-        raise CheckpointError(
-            "the optimizer's parameters differ from the checkpoint's (another model, or configure_optimizers "
-            "returned different parameter groups)"
-        )
+    live = [zp.index if zp is not None else None for zp in index]
+    added: list[dict[str, Any]] = []
+    param_groups = head["param_groups"]
+    scalars, flats = head["scalars"], head["flats"]
+    if live != saved_index:
+        heads = every_rank(which)
+        grown = _groups_added_since(state, optimizer, heads, live)
+        if grown is None:
+            raise CheckpointError(
+                f"optimizer {which}'s parameters differ from the checkpoint's ({len(live)} parameters in "
+                f"{len(optimizer.param_groups)} param groups here, {len(saved_index)} in {len(head['param_groups'])} "
+                "there): another model, or configure_optimizers returned different parameter groups"
+            )
+        k = len(optimizer.param_groups)
+        param_groups = [dict(g) for g in head["param_groups"]]
+        pos = len(live)
+        for g, members in zip(param_groups[k:], grown):
+            added.append({**{key: v for key, v in g.items() if key != "params"}, "params": []})
+            for i in members:
+                added[-1]["params"].append(state.params[i].piece)
+                index.append(state.params[i])
+            g["params"] = list(range(pos, pos + len(members)))
+            pos += len(members)
+        scalars, flats = {}, {}
+        for h in heads:  # each parameter's state from whichever rank saved it
+            for key, value in h["scalars"].items():
+                scalars.setdefault(key, value)
+            for og, templates in h["flats"].items():
+                for key, template in templates.items():
+                    flats.setdefault(og, {}).setdefault(key, template)
     out_state: dict[int, dict[str, Any]] = {}
     for i, zp in enumerate(index):
-        if zp is None or str(zp.index) not in head["scalars"]:
+        if zp is None or str(zp.index) not in scalars:
             continue
         src = sources[zp.fqn]
-        entry = dict(head["scalars"][str(zp.index)])
+        entry = dict(scalars[str(zp.index)])
         lo, hi = src.span(zp)
-        for key, template in head["flats"].get(str(src.group), {}).items():
+        for key, template in flats.get(str(src.group), {}).items():
 
             def saved_flat(r: int, og: int = src.group, key: str = key) -> torch.Tensor | None:
                 return files.get(r)["optimizers"][which]["flats"].get(str(og), {}).get(key)
 
             entry[key] = _assemble(lo, hi, src.old_shard, saved_flat, template.dtype)
         out_state[i] = entry
-    return {"state": out_state, "param_groups": head["param_groups"]}
+    return {"state": out_state, "param_groups": param_groups}, added
 
 
 def consolidate(
