@@ -130,6 +130,8 @@ class BatchRun:
                     self.timings.append((str(action), start, time.perf_counter()))
                 else:
                     handlers[action.kind](action)
+            if self.stage.zero is not None:  # see "Held-back sums" in [Note: ZeRO inside a pipeline stage]
+                self.stage.zero.flush_gradients()
         finally:
             self.p2p.wait()
             self._upcoming.clear()

@@ -39,6 +39,12 @@ split] in ``_backward.py``); with ``split_backward`` each installed parameter ge
 at them and ``W`` runs the gather node's backward (packing, and at the batch's end reduce-scattering). Which backward
 reduce-scatters follows the schedule: the rank's last micro-batch to compute weight gradients, its ``W`` when split.
 
+Held-back sums. The backward chosen to reduce-scatter may use nothing of an engine (every parameter of the chunk it
+differentiates frozen, under ``zbv``'s two chunks per rank): the sums the earlier backwards held back would then never
+be reduced, and the step would apply stale gradients. So once the batch's schedule has run, each engine reduce-scatters
+whatever is still held (``ZeroState.flush_unsynced``); every replica of a stage runs the same schedule, so they issue
+the same collectives.
+
 What does not combine: tensor parallelism (its layers replace the parameters the engine would shard); it raises in
 ``PipelineConfig``.
 """
@@ -141,6 +147,11 @@ class StageSharding:
         """Whether the next backward reduce-scatters (the rank's last of the batch) or keeps summing locally."""
         for state in self.states:
             state.gradient_sync = sync
+
+    def flush_gradients(self) -> None:
+        """After the batch's backwards: reduce-scatters any sum still held back (see "Held-back sums" in the Note)."""
+        for state in self.states:
+            state.flush_unsynced()
 
     def after_step(self) -> None:
         """The shards changed: gathered copies are stale; ZeRO-3 also frees them until the next batch."""

@@ -656,15 +656,7 @@ class ZeroState:
         while self._pending:
             self._drain_one()
         if self.reduce_scatters > self._reduces_before_backward:
-            used = self._used.to(self.device)
-            if self.world_size > 1:
-                dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group)
-            used = used.cpu()
-            for group in self.groups:
-                for zp in group.take_fresh():
-                    if used[zp.index] == 0:
-                        zp.piece.grad = None
-            self._used.zero_()
+            self._settle_unused()
         for group in self.groups:
             group.pending_backward = 0
         self.release_all(keep_persistent=True)
@@ -672,6 +664,32 @@ class ZeroState:
             self.pool.release_idle()
         self._to(TrainingState.IDLE)
         self._depth = 0
+
+    def _settle_unused(self) -> None:
+        """See [Note: unused parameters]: pieces no rank used since the last settlement get ``grad=None`` again."""
+        used = self._used.to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group)
+        used = used.cpu()
+        for group in self.groups:
+            for zp in group.take_fresh():
+                if used[zp.index] == 0:
+                    zp.piece.grad = None
+        self._used.zero_()
+
+    def flush_unsynced(self) -> None:
+        """Reduce-scatters the gradients still held back while gradient sync was off (a caller whose last backward
+        used none of this engine's parameters: a pipeline stage's frozen chunk), then settles unused parameters as
+        the end of a backward does. Collective over the data-parallel group when anything is held."""
+        held = [g for g in self.groups if g.unsynced is not None]
+        if not held or not self.gradient_sync:
+            return
+        for group in held:
+            flat, group.unsynced = group.unsynced, None
+            self._reduce(group, flat)
+        while self._pending:
+            self._drain_one()
+        self._settle_unused()
 
     def release_all(self, keep_persistent: bool) -> None:
         """Reshards every group (persistent ones only leave the module slots unless ``keep_persistent`` is False)."""
