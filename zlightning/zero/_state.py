@@ -681,11 +681,11 @@ class ZeroState:
         """Reduce-scatters the gradients still held back while gradient sync was off (a caller whose last backward
         used none of this engine's parameters: a pipeline stage's frozen chunk), then settles unused parameters as
         the end of a backward does. Collective over the data-parallel group when anything is held."""
-        held = [g for g in self.groups if g.unsynced is not None]
+        held = [(g, g.unsynced) for g in self.groups if g.unsynced is not None]
         if not held or not self.gradient_sync:
             return
-        for group in held:
-            flat, group.unsynced = group.unsynced, None
+        for group, flat in held:
+            group.unsynced = None
             self._reduce(group, flat)
         while self._pending:
             self._drain_one()
