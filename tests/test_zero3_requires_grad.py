@@ -60,18 +60,14 @@ def _data() -> torch.Tensor:
     return torch.randint(0, V, (BATCHES * 4, T + 1), generator=torch.Generator().manual_seed(1))
 
 
-def _fit(rank: int, world: int, strategy: str, finetune: bool, freeze_at: int | None, epochs: int) -> dict[str, Any]:
+def _trainer(strategy: str, world: int, epochs: int, finetune: bool) -> pl.Trainer:
+    """A quiet Trainer; ``finetune``: with ``BackboneFinetuning`` unfreezing the backbone at epoch 1."""
     from lightning.pytorch.callbacks import BackboneFinetuning
-    from torch.utils.data import DataLoader, TensorDataset
 
     import zlightning  # noqa: F401
-    from tests._lightning_models import state_after_fit
 
-    micro = 4 // world
-    mine = torch.cat([b[rank * micro : (rank + 1) * micro] for b in _data().chunk(BATCHES)])
-    module = _Model(freeze_at)
     callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)] if finetune else []
-    trainer = pl.Trainer(
+    return pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=world,
@@ -83,7 +79,22 @@ def _fit(rank: int, world: int, strategy: str, finetune: bool, freeze_at: int | 
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(module, DataLoader(TensorDataset(mine), batch_size=micro))
+
+
+def _loader(rank: int, world: int) -> Any:
+    """This rank's part of every global batch of 4 sequences."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    micro = 4 // world
+    mine = torch.cat([b[rank * micro : (rank + 1) * micro] for b in _data().chunk(BATCHES)])
+    return DataLoader(TensorDataset(mine), batch_size=micro)
+
+
+def _fit(rank: int, world: int, strategy: str, finetune: bool, freeze_at: int | None, epochs: int) -> dict[str, Any]:
+    from tests._lightning_models import state_after_fit
+
+    module = _Model(freeze_at)
+    _trainer(strategy, world, epochs, finetune).fit(module, _loader(rank, world))
     return {
         "losses": module.losses,
         "state": state_after_fit(module),
@@ -125,31 +136,14 @@ def _fit_then_resume(rank: int, world: int, strategy: str, root: str) -> dict[st
     """Two epochs (the backbone joins the optimizer at epoch 1), a checkpoint, then a new Trainer resumes to 3."""
     import os
 
-    from lightning.pytorch.callbacks import BackboneFinetuning
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import zlightning  # noqa: F401
     from tests._lightning_models import state_after_fit
 
-    micro = 4 // world
-    mine = torch.cat([b[rank * micro : (rank + 1) * micro] for b in _data().chunk(BATCHES)])
     path = os.path.join(root, f"w{world}.ckpt")
     losses = []
     for epochs, ckpt in ((2, None), (3, path)):
         module = _Model()
-        trainer = pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=world,
-            max_epochs=epochs,
-            use_distributed_sampler=False,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)],
-        )
-        trainer.fit(module, DataLoader(TensorDataset(mine), batch_size=micro), ckpt_path=ckpt)
+        trainer = _trainer(strategy, world, epochs, finetune=True)
+        trainer.fit(module, _loader(rank, world), ckpt_path=ckpt)
         if ckpt is None:
             trainer.save_checkpoint(path)
         losses += module.losses
