@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests._pipe_reference import one_process_losses
 from zlightning.pipe import (
     LayerSpec,
     PipelineConfig,
@@ -82,13 +83,7 @@ def _replica(x: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     pipe = _pipe().build()
     opt = _grouped_adamw(pipe.parameters())
-    losses = []
-    for x, y in _batches():
-        loss = pipe.compute_loss(pipe(x), y)
-        losses.append(float(loss))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    losses = one_process_losses(pipe, opt, _batches())
     return losses, {k: v.detach().clone() for k, v in pipe.state_dict().items()}
 
 
@@ -235,13 +230,7 @@ def test_layers_frozen_in_the_setup_hook_stay_frozen() -> None:
     initial = {k: v.clone() for k, v in pipe.state_dict().items()}
     pipe.get_submodule("0").requires_grad_(False)
     opt = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], lr=0.02)
-    losses = []
-    for x, y in _batches():
-        loss = pipe.compute_loss(pipe(x), y)
-        losses.append(float(loss))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    losses = one_process_losses(pipe, opt, _batches())
     merged: dict[str, torch.Tensor] = {}
     for r in runs:
         torch.testing.assert_close(r["losses"], losses, **TOL)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests._pipe_reference import one_process_losses
 from zlightning.pipe import LayerSpec, PipelineConfig, PipelineEngine, PipelineModule
 from zlightning.testing import run_distributed
 
@@ -69,13 +70,7 @@ def test_layers_frozen_after_sharding_match_one_process(schedule: str, zero_stag
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
     _freeze(ref)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
-    losses = []
-    for x, y in _batches():
-        loss = ref.compute_loss(ref(x), y)
-        losses.append(float(loss))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    losses = one_process_losses(ref, opt, _batches())
     runs = run_distributed(_rank, 4, schedule, zero_stage, timeout=240)
     merged: dict[str, torch.Tensor] = {}
     for r in runs:
