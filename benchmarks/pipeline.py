@@ -47,6 +47,24 @@ Samples per second over the timed steps (median step time, rank 0), where a step
 backward of all micro-batches) plus the optimizer step. torch.distributed.pipelining gets the same stage modules,
 loss and optimizer; its shape inference runs during warm-up.
 
+[Note: the floor of a one-chunk schedule within 1F1B's memory at P = 2]
+ZB-H1's target (a bubble at most half of 1F1B's) depends on the F/B/W costs, and at two ranks no schedule with one
+chunk per rank that holds at most 1F1B's peak of activations (two micro-batches per rank, each held from its
+forward until its ``W``) can beat the following floor. Write ``F0``, ``X0`` for the first stage's forward and whole
+backward (its ``B`` is free, see [Note: the first stage's split backward] in ``zlightning/pipe/_schedule.py``) and
+``F1``, ``B1``, ``W1`` for the second stage's. Rank 0 can forward two micro-batches before it must run the backward
+of the first, whose input gradient arrives at ``F0 + F1 + B1`` at the earliest, so it idles at least
+``F1 + B1 - F0``; rank 1 idles ``F0`` waiting for the first forward, and after its last ``B`` it holds at most two
+pending ``W`` while rank 0 still runs that micro-batch's whole backward, so it idles at least ``X0 - 2 W1`` at the
+end. With ``M`` micro-batches the makespan is therefore at least
+``max(M (F0 + X0) + max(0, F1 + B1 - F0), M (F1 + B1 + W1) + F0 + max(0, X0 - 2 W1))``. It is a lower bound, not
+always reached; with stages of equal cost ZB-H1 reaches it (tests/test_pipeline_benchmark_floor.py: the timing model
+gives exactly this bubble, and random schedules within the memory never go below it). With equal stages
+(``X0 = B1 + W1``) the bubble is half of 1F1B's only when ``F + 2B <= 4W``: where the input backward outweighs the
+weight backward enough, half is out of reach for any schedule within 1F1B's memory. The benchmark computes the
+floor from each timed ZB-H1 step's median action times (``floor`` below), so a miss can be told apart from the
+schedule: ``median replay`` at the floor means the order is already optimal for those costs.
+
 [Note: the 1F1B bubble at m = 8]
 On this shared 2-core VM the measured 1F1B bubble at m = 8 is about 1.2x (P-1)/(m+P-1) although the two stages'
 median action times are equal. It is already in the replay (free transfers), so it is compute time, not transfers:
@@ -169,6 +187,46 @@ def _median_spans(step_spans: list[list[tuple[str, float, float]]]) -> list[list
     ]
 
 
+def one_chunk_floor(step_spans: list[list[tuple[str, float, float]]]) -> tuple[float, dict[str, float]] | None:
+    """The least bubble a one-chunk schedule within 1F1B's activation memory can reach at two ranks with this step's
+    median action times, and those times; None unless the step is a split-backward one at P = 2. See
+    [Note: the floor of a one-chunk schedule within 1F1B's memory at P = 2]."""
+    if len(step_spans) != 2:
+        return None
+    durations: dict[tuple[int, ActionKind], list[float]] = {}
+    microbatches = set()
+    for spans in step_spans:
+        for a, s, e in spans:
+            act = Action.parse(a)
+            durations.setdefault((act.stage, act.kind), []).append(e - s)
+            microbatches.add(act.microbatch)
+    if (1, ActionKind.WEIGHT) not in durations or any(k[0] > 1 for k in durations):
+        return None
+    med = {k: statistics.median(v) for k, v in durations.items()}
+    F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+    c = {
+        "F0": med[(0, F)],
+        "X0": med.get((0, B), 0.0) + med.get((0, W), 0.0),
+        "F1": med[(1, F)],
+        "B1": med[(1, B)],
+        "W1": med[(1, W)],
+    }
+    return floor_bubble(c, len(microbatches)), c
+
+
+def floor_bubble(c: dict[str, float], m: int) -> float:
+    """The floor of [Note: the floor of a one-chunk schedule within 1F1B's memory at P = 2] for costs ``c`` (keys
+    ``F0``, ``X0``, ``F1``, ``B1``, ``W1``) and ``m`` micro-batches."""
+    busy0 = m * (c["F0"] + c["X0"])
+    busy1 = m * (c["F1"] + c["B1"] + c["W1"])
+    pending = min(2, m)
+    makespan = max(
+        busy0 + max(0.0, c["F1"] + c["B1"] - c["F0"]),
+        busy1 + c["F0"] + max(0.0, c["X0"] - pending * c["W1"]),
+    )
+    return 1.0 - (busy0 + busy1) / (2 * makespan)
+
+
 def _replay_bubble(step_spans: list[list[tuple[str, float, float]]]) -> float:
     """Bubble of one step replayed with free transfers; see [Note: how the bubble is measured]."""
     programs = [[(Action.parse(a), e - s) for a, s, e in spans] for spans in step_spans]
@@ -204,7 +262,7 @@ def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) ->
     engine = PipelineEngine(
         module, lambda ps: torch.optim.SGD(ps, lr=1e-3), PipelineConfig(micro_batches=m, schedule=schedule)
     )
-    times, bubbles, replays, medians = [], [], [], []
+    times, bubbles, replays, medians, floors = [], [], [], [], []
     batches = _data(args, m, args.warmup + args.steps + 1)
     x, y = batches.pop()
     peak = _peak_activations(list(module.parameters()), lambda: engine.train_batch(batch=(x, y)))
@@ -221,6 +279,9 @@ def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) ->
             bubbles.append(_bubble(spans))
             replays.append(_replay_bubble(spans))
             medians.append(_replay_bubble(_median_spans(spans)))
+            floor = one_chunk_floor(spans) if schedule == "zb_h1" else None
+            if floor is not None:
+                floors.append(floor)
     return {
         "step_s": statistics.median(times[args.warmup :]),
         "bubble": statistics.median(bubbles),
@@ -228,6 +289,15 @@ def _run_zlightning(args: argparse.Namespace, pp: int, m: int, schedule: str) ->
         "median_replay_bubble": statistics.median(medians),
         "peak_act_mib": _per_rank(peak),
         "costs": dataclasses.asdict(engine.schedule_costs) if engine.schedule_costs is not None else None,
+        **(_floor_summary(floors) if floors else {}),
+    }
+
+
+def _floor_summary(floors: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
+    """Median floor bubble over the timed steps and the median action times (s) it was computed from."""
+    return {
+        "floor_bubble": statistics.median(f for f, _ in floors),
+        "floor_costs_s": {k: statistics.median(c[k] for _, c in floors) for k in floors[0][1]},
     }
 
 
@@ -306,7 +376,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
         }
         if outs[0].get("costs") is not None:  # zbv's order: the costs measured in each run
             row["costs"] = [o["costs"] for o in outs]
-        for key in ("bubble", "replay_bubble", "median_replay_bubble"):
+        if "floor_costs_s" in outs[0]:
+            row["floor_costs_s"] = [o["floor_costs_s"] for o in outs]
+        for key in ("bubble", "replay_bubble", "median_replay_bubble", "floor_bubble"):
             if key in outs[0]:
                 row[key] = statistics.median(o[key] for o in outs)
                 row[f"runs_{key}"] = [o[key] for o in outs]
@@ -377,6 +449,10 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             entry[f"{name}_bubble_over_1f1b"] = mine["bubble"] / ours["1f1b"]["bubble"]
             entry[f"{name}_replay_bubble_over_1f1b"] = mine["replay_bubble"] / ours["1f1b"]["replay_bubble"]
             entry[f"{name}_peak_act_mib"] = mine["peak_act_mib"]
+            if "floor_bubble" in mine:
+                entry[f"{name}_floor_over_1f1b"] = mine["floor_bubble"] / ours["1f1b"]["bubble"]
+                entry[f"{name}_median_replay_over_1f1b"] = mine["median_replay_bubble"] / ours["1f1b"]["bubble"]
+                entry[f"{name}_floor_costs_s"] = mine["floor_costs_s"]
         entry["1f1b_peak_act_mib"] = ours["1f1b"]["peak_act_mib"]
         zero_bubble.append(entry)
     config = {k: v for k, v in vars(args).items() if k != "out"}
@@ -461,6 +537,25 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                     f"| {z['m']} | {name} | {a['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in a['per_repetition'])}) | {vs_torch} | "
                     f"{z[f'{name}_bubble_over_1f1b']:.2f} ({z[f'{name}_replay_bubble_over_1f1b']:.2f}) | {peaks} vs {ref} |"
                 )
+    floors = [z for z in result["zero_bubble"] if "zb_h1_floor_over_1f1b" in z]
+    if floors:
+        lines += [
+            "",
+            "zb_h1 against the floor of any one-chunk schedule within 1F1B's activation memory at P = 2, computed from "
+            "each timed zb_h1 step's median action times (see [Note: the floor of a one-chunk schedule within 1F1B's "
+            "memory at P = 2]); bubbles as a fraction of our 1F1B's measured bubble:",
+            "",
+            "| m | zb_h1 measured | zb_h1 median replay | floor | median action times, ms (F0 / X0 / F1 / B1 / W1) |",
+            "|---|---|---|---|---|",
+        ]
+        for z in floors:
+            costs = [
+                statistics.median(c[k] for c in z["zb_h1_floor_costs_s"]) * 1e3 for k in ("F0", "X0", "F1", "B1", "W1")
+            ]
+            lines.append(
+                f"| {z['m']} | {z['zb_h1_bubble_over_1f1b']:.2f} | {z['zb_h1_median_replay_over_1f1b']:.2f} | "
+                f"{z['zb_h1_floor_over_1f1b']:.2f} | {' / '.join(f'{x:.1f}' for x in costs)} |"
+            )
     measured = [(r["m"], c) for r in result["rows"] if r.get("costs") for c in r["costs"]]
     if measured:
         lines += [
@@ -477,7 +572,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-_NOTE_1F1B = " ".join(__doc__.split("[Note: the 1F1B bubble at m = 8]")[1].split())
+_NOTE_1F1B = " ".join(__doc__.split("[Note: the 1F1B bubble at m = 8]")[1].split("[Note:")[0].split())
 
 ZERO_BUBBLE_VARIANTS = [
     "zlightning:1f1b",
