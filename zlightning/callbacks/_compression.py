@@ -16,6 +16,15 @@ Before every training batch (and before validation) the callback calls `apply_sc
 ``trainer.global_step``, the number of optimizer steps, so a technique starts at its ``schedule_offset`` optimizer
 step whatever the gradient accumulation. After each batch it logs `compression_stats` for its techniques
 (``compression/<technique>/{active,bits,masked_fraction}``) to the Trainer's loggers.
+
+[Note: validate, test and predict]
+``trainer.validate/test/predict`` outside fit evaluate the compressed model the training left. The callback's
+``setup`` compresses for every stage (a fresh module given with ``ckpt_path`` must hold the masks and scores the
+checkpoint holds, or strict loading fails on their keys; a module already holding this callback's techniques, e.g.
+fitted by another Trainer, is kept as it is), and the schedule is applied before the loop at the optimizer step the
+weights come from: the checkpoint's ``global_step`` when one is restored (a fresh Trainer counts from 0), else the
+Trainer's, or the step the techniques were last told if that is later (a module fitted by another Trainer). Without
+this, a restored module evaluated with every technique off: the uncompressed model's metrics.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from zlightning.compression import (
     save_compressed,
 )
 from zlightning.compression._deepspeed import parse_compression_training
+from zlightning.compression._techniques import ScheduledTechnique
 
 __all__ = [
     "ActivationQuantization",
@@ -92,6 +102,12 @@ def _refuse_pipeline(trainer: pl.Trainer, callback: Callback) -> None:
             "builds only its stage, after the callbacks run). Compress without pipeline parallelism (zstack_zero3, "
             "ddp or one device)"
         )
+
+
+def _holds_techniques(pl_module: pl.LightningModule, config: CompressionConfig) -> bool:
+    """Whether the module already carries one of ``config``'s techniques (compressed by an earlier Trainer)."""
+    wanted = set(config.techniques())
+    return any(isinstance(m, ScheduledTechnique) and m.technique in wanted for m in pl_module.modules())
 
 
 def _after_model_is_built(pl_module: pl.LightningModule, compress: Callable[[], None]) -> None:
@@ -145,15 +161,18 @@ class CompressionCallback(Callback):
         self.export_path = None if export_path is None else Path(export_path)
         self.export_report: ExportReport | None = None
         self._applied_to: int | None = None
+        self._checkpoint_step: int | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self._applied_to == id(pl_module):
+        if self._applied_to == id(pl_module):
             return
         _refuse_pipeline(trainer, self)
 
         def compress() -> None:
-            init_compression(pl_module, self.config, self.teacher_model)
+            # see [Note: validate, test and predict]
+            if stage == "fit" or not _holds_techniques(pl_module, self.config):
+                init_compression(pl_module, self.config, self.teacher_model)
             self._applied_to = id(pl_module)
 
         _after_model_is_built(pl_module, compress)
@@ -165,8 +184,37 @@ class CompressionCallback(Callback):
         apply_schedule(pl_module, trainer.global_step)
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        step = checkpoint.get("global_step")
+        self._checkpoint_step = step if isinstance(step, int) else None
+
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        apply_schedule(pl_module, trainer.global_step)
+        if trainer.state.fn == "fit":
+            apply_schedule(pl_module, trainer.global_step)
+        else:
+            apply_schedule(pl_module, self._evaluation_step(trainer, pl_module))
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        apply_schedule(pl_module, self._evaluation_step(trainer, pl_module))
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        apply_schedule(pl_module, self._evaluation_step(trainer, pl_module))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._checkpoint_step = None
+
+    def _evaluation_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        """The optimizer step whose schedule validate/test/predict use; see [Note: validate, test and predict]."""
+        if self._checkpoint_step is not None:
+            return self._checkpoint_step
+        told = [m.step for m in pl_module.modules() if isinstance(m, ScheduledTechnique)]
+        return max([trainer.global_step, *told])
 
     @override
     def on_train_batch_end(
