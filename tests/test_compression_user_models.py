@@ -1,6 +1,7 @@
 """The compression callbacks on models other than the tiny GPT, used as Lightning users do: an embedding + LayerNorm +
 nested ModuleDict/ModuleList classifier (a Linear without bias), evaluated with validate/test/predict after fit from
-a checkpoint in a fresh Trainer."""
+a checkpoint in a fresh Trainer, and trained by 2 gloo ranks (ddp, zstack_zero3) against one process on the global
+batch."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Classifier(pl.LightningModule):
         self.norm = nn.LayerNorm(16)
         self.layers = nn.ModuleDict({"a": nn.ModuleList([nn.Linear(16, 32, bias=False), nn.Linear(32, 16)])})
         self.out = nn.Linear(16, 5)
+        self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.emb(x)).mean(1)
@@ -33,7 +35,9 @@ class Classifier(pl.LightningModule):
         return nn.functional.cross_entropy(self(batch[0]), batch[1])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
+        loss = self._loss(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)
@@ -48,10 +52,90 @@ class Classifier(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _data(n: int = 32) -> DataLoader:
+class ConfiguredClassifier(Classifier):
+    """Overrides ``configure_model`` (here a no-op, as a hook that only adds tensor parallelism would be for these
+    layers): the callbacks then compress right after it, inside zstack_zero3's deferred-init context."""
+
+    def configure_model(self) -> None:
+        pass
+
+
+def _tensors(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, VOCAB, (n, 6), generator=g), torch.randint(0, 5, (n,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=8)
+    return torch.randint(0, VOCAB, (n, 6), generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def _data(n: int = 32, batch_size: int = 8) -> DataLoader:
+    return DataLoader(TensorDataset(*_tensors(n)), batch_size=batch_size)
+
+
+WORLD, MICRO, ACCUM, STEPS = 2, 4, 2, 4
+
+
+def _global_batches() -> DataLoader:
+    """The ranks' micro-batches side by side (Lightning shuffles training data with a DistributedSampler, seed 0),
+    batched as one process sees the global batch."""
+    from torch.utils.data import DistributedSampler
+
+    x, y = _tensors(WORLD * MICRO * ACCUM * STEPS)
+    dataset = TensorDataset(x, y)
+    per_rank = [list(DistributedSampler(dataset, num_replicas=WORLD, rank=r, seed=0)) for r in range(WORLD)]
+    order = [i for b in range(len(per_rank[0]) // MICRO) for r in per_rank for i in r[b * MICRO : (b + 1) * MICRO]]
+    return DataLoader(TensorDataset(x[order], y[order]), batch_size=MICRO * WORLD)
+
+
+def _full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    from zlightning.zero import engine_of, full_state_dict
+
+    state = full_state_dict(module) if engine_of(module) is not None else module.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _activation_quantization() -> list[pl.Callback]:
+    from zlightning.callbacks import ActivationQuantization, WeightQuantization
+
+    return [
+        ActivationQuantization(r"layers", bits=8, schedule_offset=1),
+        WeightQuantization(r"layers", target_bits=8, schedule_offset=0),
+    ]
+
+
+_CALLBACKS = {"activation_quantization": _activation_quantization}
+
+
+def _rank_fit(rank: int, world: int, strategy: str, callbacks: str) -> dict[str, Any]:
+    from zlightning.strategies import ZStackZero3Strategy
+
+    import zlightning  # noqa: F401  (registers zstack_zero3)
+    from zlightning.zero import ZeroConfig
+
+    chosen: Any = strategy
+    if strategy == "zstack_zero3":  # shard every parameter, even this small model's
+        chosen = ZStackZero3Strategy(ZeroConfig(param_persistence_threshold=0))
+    pl.seed_everything(0, verbose=False)
+    module = ConfiguredClassifier()
+    trainer = _trainer(
+        _CALLBACKS[callbacks](), strategy=chosen, devices=world, max_steps=STEPS, accumulate_grad_batches=ACCUM
+    )
+    trainer.fit(module, _data(WORLD * MICRO * ACCUM * STEPS, MICRO))
+    return {"losses": module.losses, "state": _full_state(module)}
+
+
+def _assert_matches_one_process(strategy: str, callbacks: str) -> None:
+    from zlightning.testing import run_distributed
+
+    out = run_distributed(_rank_fit, WORLD, strategy, callbacks, init_process_group=False, timeout=300)
+    pl.seed_everything(0, verbose=False)
+    ref = ConfiguredClassifier()
+    trainer = _trainer(_CALLBACKS[callbacks](), max_steps=STEPS, accumulate_grad_batches=ACCUM)
+    trainer.fit(ref, _global_batches())
+    # each rank saw half of the global batch: the mean of the two ranks' losses is the reference loss
+    mean = [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"])]
+    torch.testing.assert_close(mean, ref.losses, rtol=1e-6, atol=1e-6)
+    for r in out:
+        assert set(r["state"]) == set(ref.state_dict())
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(r["state"][key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
 def _trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
@@ -108,3 +192,11 @@ def test_validate_test_predict_from_a_checkpoint_in_a_fresh_trainer(tmp_path: An
     # the fitted module in a new Trainer without a checkpoint: kept as compressed, not compressed twice
     again = _trainer(_quantize_and_prune()).test(fitted, _data(), verbose=False)[0]["test_loss"]
     assert again == expected_test
+
+
+def test_activation_quantization_under_zstack_zero3_matches_one_process() -> None:
+    """Activation quantization of a module overriding ``configure_model`` under zstack_zero3: its buffers were created
+    on the meta device (the callbacks compress inside the strategy's deferred-init context) next to the real weights,
+    and the strategy failed to move the module ("Cannot copy out of meta tensor"). Now 2 ranks train as one process
+    on the global batch does."""
+    _assert_matches_one_process("zstack_zero3", "activation_quantization")

@@ -170,6 +170,7 @@ def _build(
             scheme=aq_cfg.quantization_type,
             calibration=aq_cfg.range_calibration,
             per_sample=isinstance(module, nn.Conv2d),
+            device=_weight(module).device,
         )
     prune_cfg, prune_group = cast(_PruningConfig, cfg), cast(PruneGroup, group)
     kind = cast(MaskKind, technique.removesuffix("_pruning"))

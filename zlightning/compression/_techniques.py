@@ -127,12 +127,16 @@ class ActivationQuantizer(ScheduledTechnique):
         calibration: str,
         per_sample: bool,
         momentum: float = 0.95,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__(schedule_offset)
         self.bits, self.scheme, self.calibration = bits, scheme, calibration
         self.per_sample, self.momentum = per_sample, momentum
-        self.register_buffer("x_min_max", torch.zeros(2))
-        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        # on the layer's device, as `Mask`'s buffers: without it a layer compressed inside
+        # `zlightning.zero.deferred_init` (zstack_zero3, a module overriding configure_model) got meta buffers next to
+        # its real weight, which the strategy cannot move to its device
+        self.register_buffer("x_min_max", torch.zeros(2, device=device))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool, device=device))
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.active:
