@@ -200,3 +200,65 @@ def test_activation_quantization_under_zstack_zero3_matches_one_process() -> Non
     and the strategy failed to move the module ("Cannot copy out of meta tensor"). Now 2 ranks train as one process
     on the global batch does."""
     _assert_matches_one_process("zstack_zero3", "activation_quantization")
+
+
+class ConvNet(pl.LightningModule):
+    """Conv -> BatchNorm -> ReLU twice, pooled into a Linear: a small CNN with "pretrained" BatchNorms (non-zero
+    shifts and running means, as a network being fine-tuned has)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            for bn in (self.features[1], self.features[4]):
+                bn.bias.uniform_(-0.5, 0.5)
+                bn.running_mean.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _images(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def test_channel_pruning_through_batch_norm_keeps_outputs_when_cleaned() -> None:
+    """Channel pruning of a conv whose BatchNorm and next conv are its related modules: cleaning removes the pruned
+    channels from all three and must keep the outputs. Before the fix a pruned channel left the BatchNorm as its shift
+    (``beta - gamma * mean / std``, non-zero here), which the next conv read during training but which cleaning
+    removed: the cleaned network's logits moved by about 0.06."""
+    from zlightning.callbacks import ChannelPruning
+    from zlightning.compression import redundancy_clean
+
+    net = ConvNet()
+    prune = ChannelPruning(
+        r"features\.0$", dense_ratio=0.5, related_modules=[[r"features\.1$", r"features\.3$"]], schedule_offset=1
+    )
+    x, y = _images()
+    _trainer([prune], max_steps=4).fit(net, DataLoader(TensorDataset(x, y), batch_size=8))
+    kept = net.features[0].channel_pruning.keep_index()
+    assert kept.numel() == 4
+    net.eval()
+    with torch.no_grad():
+        pruned = net(x)
+        redundancy_clean(net)
+        cleaned = net(x)
+    assert net.features[0].out_channels == net.features[1].num_features == net.features[3].in_channels == 4
+    assert not net.features[1]._forward_hooks  # the gate went with the mask
+    torch.testing.assert_close(cleaned, pruned, rtol=1e-5, atol=1e-5)

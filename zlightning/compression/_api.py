@@ -11,7 +11,11 @@ Cleaning runs in three phases so that the cleaned model computes exactly what th
    *and* the related layers' inputs, and module attributes (``in_features``, ``out_features``, channels, BN
    ``num_features``, and the attention head count) follow. A pruned unit contributes exactly zero before removal
    (its row, bias and downstream columns are all masked or sliced together), so removal leaves the outputs unchanged
-   up to float summation order.
+   up to float summation order. A BatchNorm2d given as a related module of channel pruning sits between the pruned
+   conv and the next one: a pruned channel enters it as zeros but leaves it as ``beta - gamma * mean / std`` (non-zero
+   for a pretrained network), which the next conv reads. So while the mask is active the BN's output is gated by the
+   same channel mask (`_ChannelGate`, a forward hook), and the channel contributes zero, as it does once removed.
+   DeepSpeed sliced the BN without gating it ("BN models change accuracy after cleaning and need fine-tuning").
 Techniques whose schedule has not started are dropped with a warning: they never affected the outputs.
 Split (tensor-parallel) layers are sliced shard by shard: see [Note: compression under tensor parallelism] in
 ``_parallel.py``.
@@ -196,6 +200,26 @@ def _build(
     )
 
 
+class _ChannelGate:
+    """Forward hook of a BatchNorm2d related to a channel-pruned conv: zeroes the pruned channels of its output while
+    the mask is active. See [Note: redundancy_clean keeps outputs]."""
+
+    def __init__(self, mask: Mask) -> None:
+        self.mask = mask
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        if not self.mask.active:
+            return output
+        return output * self.mask.mask.reshape(1, -1, 1, 1).to(output.dtype)
+
+
+def _gate_batch_norms(root: nn.Module, mask: Mask) -> None:
+    for rel in mask.related:
+        module = root.get_submodule(rel)
+        if isinstance(module, nn.BatchNorm2d):
+            mask.__dict__.setdefault("gates", []).append(module.register_forward_hook(_ChannelGate(mask)))
+
+
 def init_compression(
     model: nn.Module,
     deepspeed_config: CompressionConfig | dict | str,
@@ -267,6 +291,8 @@ def init_compression(
             twin = compressed_twin(module, tp)
             _replace(root, module, twin)
         twin.add_technique(technique, built, name)
+        if isinstance(built, Mask) and built.kind == "channel":
+            _gate_batch_norms(root, built)
         if isinstance(twin, CompressedParallelLinear) and tp is not None:  # how related layers are split, for cleaning
             split = {rel: tp.kind(root.get_submodule(rel)) for rel in getattr(built, "related", ())}
             twin.__dict__.setdefault("tp_related", {}).update(split)
@@ -503,6 +529,9 @@ def _clean(
         if isinstance(t, Mask) and t.kind != "sparse" and t.active and t.related
     ]
     for name, m in compressed:
+        for held in m.techniques().values():
+            for gate in held.__dict__.pop("gates", ()):  # the BN is sliced (or the mask dropped) below
+                gate.remove()
         _replace(root, m, plain_twin(m))
     edits: list[StructureEdit] = []
     for name, mask in structural:
