@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -100,7 +101,16 @@ def _activation_quantization() -> list[pl.Callback]:
     ]
 
 
-_CALLBACKS = {"activation_quantization": _activation_quantization}
+def _static_activation_quantization() -> list[pl.Callback]:
+    from zlightning.callbacks import ActivationQuantization
+
+    return [ActivationQuantization(r"layers", bits=8, range_calibration="static", schedule_offset=1)]
+
+
+_CALLBACKS = {
+    "activation_quantization": _activation_quantization,
+    "static_activation_quantization": _static_activation_quantization,
+}
 
 
 def _rank_fit(rank: int, world: int, strategy: str, callbacks: str) -> dict[str, Any]:
@@ -262,3 +272,12 @@ def test_channel_pruning_through_batch_norm_keeps_outputs_when_cleaned() -> None
     assert net.features[0].out_channels == net.features[1].num_features == net.features[3].in_channels == 4
     assert not net.features[1]._forward_hooks  # the gate went with the mask
     torch.testing.assert_close(cleaned, pruned, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zstack_zero3"])
+def test_static_activation_ranges_are_the_global_batchs(strategy: str) -> None:
+    """Static activation calibration on 2 ranks: the moving min/max must be the global batch's, as one process on it
+    computes. Before the fix each rank averaged its own half batch: the ranges (x_min_max) differed from the
+    reference by up to 0.1 and the losses by 4e-4 (under DDP the ranks used rank 0's range; under zstack_zero3 each
+    its own)."""
+    _assert_matches_one_process(strategy, "static_activation_quantization")

@@ -64,7 +64,7 @@ from zlightning.compression import (
     save_compressed,
 )
 from zlightning.compression._deepspeed import parse_compression_training
-from zlightning.compression._techniques import ScheduledTechnique
+from zlightning.compression._techniques import ActivationQuantizer, ScheduledTechnique
 
 __all__ = [
     "ActivationQuantization",
@@ -173,6 +173,9 @@ class CompressionCallback(Callback):
             # see [Note: validate, test and predict]
             if stage == "fit" or not _holds_techniques(pl_module, self.config):
                 init_compression(pl_module, self.config, self.teacher_model)
+            for module in pl_module.modules():  # see [Note: static ranges under data parallelism]
+                if isinstance(module, ActivationQuantizer):
+                    module.sync_ranges = trainer.world_size > 1
             self._applied_to = id(pl_module)
 
         _after_model_is_built(pl_module, compress)

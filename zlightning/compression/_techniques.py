@@ -15,6 +15,14 @@ An ``l1`` mask is computed from the weights on the first forward in which it is 
 ``mask`` buffer and fixed. A ``topk`` mask follows its learnable scores on every forward (straight-through gradient
 to the scores) until ``freeze_after`` (sparse ``schedule_offset_end``), then the last mask stays.
 
+[Note: static ranges under data parallelism]
+A static activation range is a moving average of each training batch's min and max. Under data parallelism each rank
+sees a slice of the batch: with its own min/max the ranks' ranges drift apart (zstack_zero3 never broadcasts buffers,
+so the replicas quantize differently; DDP copies rank 0's range, seen from half the batch). With ``sync_ranges`` the
+min and max are reduced over all ranks (one 2-element all-reduce per layer and training forward, which every rank
+runs in data-parallel training), so the range is the global batch's, as one process computes it. Every rank must run
+the same training forwards; evaluation does not update the range and runs no collective.
+
 [Note: scores always in the graph]
 Learnable scores that are not used in a forward (before the offset, or once frozen) are added as ``0 * scores.sum()``
 so DDP sees a gradient for every parameter without ``find_unused_parameters=True``; the values are unchanged.
@@ -26,6 +34,7 @@ import math
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from zlightning.compression._quantize import Scheme, fake_quantize, scheduled_bits
@@ -132,6 +141,9 @@ class ActivationQuantizer(ScheduledTechnique):
         super().__init__(schedule_offset)
         self.bits, self.scheme, self.calibration = bits, scheme, calibration
         self.per_sample, self.momentum = per_sample, momentum
+        self.sync_ranges = False
+        """Static calibration: take the min/max of the whole data-parallel batch (all ranks); see [Note: static ranges
+        under data parallelism]. Set by the Lightning callbacks when the Trainer has more than one process."""
         # on the layer's device, as `Mask`'s buffers: without it a layer compressed inside
         # `zlightning.zero.deferred_init` (zstack_zero3, a module overriding configure_model) got meta buffers next to
         # its real weight, which the strategy cannot move to its device
@@ -147,6 +159,11 @@ class ActivationQuantizer(ScheduledTechnique):
         if self.training:
             with torch.no_grad():
                 now = torch.stack([x.min(), x.max()]).float()
+                if self.sync_ranges and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                    # See [Note: static ranges under data parallelism].
+                    neg_min_max = torch.stack([-now[0], now[1]])
+                    dist.all_reduce(neg_min_max, op=dist.ReduceOp.MAX)
+                    now = torch.stack([-neg_min_max[0], neg_min_max[1]])
                 ema = self.momentum * self.x_min_max + (1 - self.momentum) * now
                 self.x_min_max.copy_(torch.where(self.initialized, ema, now))
                 self.initialized.fill_(True)
