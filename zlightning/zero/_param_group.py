@@ -425,10 +425,13 @@ class ZeroParamGroup:
         if self.world == 1:
             return PendingReduce(self, CommHandle([], flat.tensor), [flat])
         held = [flat]
-        out = None
+        out = scratch = None
         if flat.tensor.device.type != "cpu":  # devices reduce into a separate output; see _collectives.py
             held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
             out = held[-1].tensor
+        elif self.world == 2:  # see [Note: the host reduce-scatter between two ranks] in _collectives.py
+            held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
+            scratch = held[-1].tensor
         record_collective("reduce-scatter", self)
         handle = reduce_scatter_into(
             flat.tensor,
@@ -436,6 +439,7 @@ class ZeroParamGroup:
             async_op=async_op,
             output=out,
             stream=self.context.streams.reduce_scatter,
+            scratch=scratch,
         )
         return PendingReduce(self, handle, held)
 
