@@ -14,6 +14,19 @@ counts the micro-batches that training really consumed (``on_before_batch_transf
 resuming from the checkpoint continues with exactly the next micro-batch the run would have trained on. The
 sequence-length truncation and the logged difficulty use the difficulties of that consumed micro-batch, too.
 
+[Note: Lightning epochs]
+Without curriculum the sampler yields one epoch (a permutation of the dataset) per iteration, and a new iterator
+continues the epoch where training stopped (a resume, or an iterator Lightning made and dropped). But Lightning may
+end an epoch early (``limit_train_batches``): the next Lightning epoch must then start the sampler's next epoch, as a
+shuffled ``DataLoader`` or ``DistributedSampler.set_epoch`` would, not hand out the rest of this one (which made every
+second Lightning epoch short). So the module records the Lightning epoch of the last micro-batch training consumed
+and whether it was that epoch's last one (``trainer.num_training_batches`` consumed in it), both saved in
+`state_dict`; a loader iterator created in a later Lightning epoch, or after an epoch's last micro-batch, first ends
+the sampler's epoch (`DeepSpeedDataSampler.end_epoch`). The second condition is needed on resume from a checkpoint
+written at an epoch's last batch: Lightning creates (and prefetches from) the iterator before it moves its epoch
+counter on, and then keeps that iterator for the next epoch. With curriculum the sampler is one stream for the whole
+run, across epochs.
+
 [Note: sequence-length curriculum]
 A metric named ``seqlen_truncate`` (DeepSpeed's name; normally ``clustering_type: single_cluster``, so it needs no
 index files) truncates every tensor of the batch with two or more dimensions to its current difficulty along
@@ -57,6 +70,11 @@ class _SamplerLoader:
         sampler = self.module.sampler
         if sampler is not None and sampler.micro_batches != self.module._consumed:
             sampler.rewind(self.module._consumed)
+        trainer, (epoch, _, done) = self.module.trainer, self.module._epoch_consumed
+        if sampler is None or trainer is None or not trainer.training or epoch is None:
+            return iter(self.loader)
+        if trainer.current_epoch > epoch or done:  # See [Note: Lightning epochs].
+            sampler.end_epoch()
         return iter(self.loader)
 
     def __len__(self) -> int:
@@ -110,6 +128,8 @@ class CurriculumDataModule(LightningDataModule):
         self.sampler = None
         self._pending_state: dict[str, Any] | None = None
         self._consumed = 0
+        # (Lightning epoch, micro-batches consumed in it, whether that was all of it): see [Note: Lightning epochs]
+        self._epoch_consumed: tuple[int | None, int, bool] = (None, 0, False)
 
     @override
     def setup(self, stage: str) -> None:
@@ -199,6 +219,9 @@ class CurriculumDataModule(LightningDataModule):
         if self.sampler is None or trainer is None or not trainer.training:
             return batch
         self._consumed += 1  # See [Note: consumed, not prefetched].
+        epoch, batches, _ = self._epoch_consumed
+        batches = batches + 1 if epoch == trainer.current_epoch else 1
+        self._epoch_consumed = (trainer.current_epoch, batches, batches >= trainer.num_training_batches)
         if not self.sampler.curriculum_enabled:
             return batch
         diffs = self.sampler.difficulties_at(self._consumed)
@@ -221,9 +244,10 @@ class CurriculumDataModule(LightningDataModule):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state after the last micro-batch training consumed (see [Note: consumed, not prefetched])."""
+        epoch = {"lightning_epoch": list(self._epoch_consumed)}  # See [Note: Lightning epochs].
         if self.sampler is not None:
-            return {"sampler": self.sampler.state_dict(micro_batches=self._consumed)}
-        return {"sampler": self._pending_state} if self._pending_state is not None else {}
+            return {"sampler": self.sampler.state_dict(micro_batches=self._consumed)} | epoch
+        return ({"sampler": self._pending_state} | epoch) if self._pending_state is not None else {}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -231,6 +255,8 @@ class CurriculumDataModule(LightningDataModule):
         state = state_dict.get("sampler")
         if state is None:
             return
+        epoch, batches, done = state_dict.get("lightning_epoch", (None, 0, False))
+        self._epoch_consumed = (epoch, int(batches), bool(done))
         if self.sampler is None:
             self._pending_state = state
         else:

@@ -440,6 +440,17 @@ class DeepSpeedDataSampler:
         self.epoch += 1
         self.epoch_position = 0
 
+    def end_epoch(self) -> None:
+        """Ends the current epoch where it stands (without curriculum): the next iteration starts the next epoch's
+        permutation instead of continuing this one. For a consumer that ends its epochs early, as Lightning's
+        ``limit_train_batches`` does (`CurriculumDataModule` calls it; see [Note: Lightning epochs] there). Does
+        nothing with curriculum (one stream for the whole run) or at an epoch's start.
+        """
+        if self.curriculum_enabled or self.epoch_position == 0:
+            return
+        self.epoch += 1
+        self.epoch_position = 0
+
     def _consume(self, cur: np.ndarray) -> list[int]:
         self.consumed_samples += int(cur.size)
         self.micro_batches += 1

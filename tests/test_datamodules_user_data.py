@@ -1,0 +1,98 @@
+"""The data modules as Lightning users drive them: their own data modules and samples, and Trainer features."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from zlightning.datamodules import CurriculumDataModule
+
+N = 40
+
+
+class DictDataset(Dataset):
+    """Sample ``i`` is a dict: ``ids`` (8 positions holding i) and a scalar ``label`` i."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"ids": torch.full((8,), i), "label": torch.tensor(i)}
+
+
+class UserDataModule(pl.LightningDataModule):
+    """A user's own data module (not the project's text one): ``train_dataset``, ``batch_size``, a val loader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 4
+
+    def setup(self, stage: str) -> None:
+        self.train_dataset = DictDataset()
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(DictDataset(), batch_size=8)
+
+
+class Recorder(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.seen.append((self.current_epoch, batch["label"].tolist()))
+        return (self.w * batch["ids"].float().mean() * 1e-3).sum()
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(ckpt: str | None = None, callbacks: list[Any] | None = None, **trainer_kw: Any) -> list[tuple[int, list[int]]]:
+    model = Recorder()
+    dm = CurriculumDataModule({"seed": 1}, base=UserDataModule())
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=callbacks is not None,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **trainer_kw,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+    return model.seen
+
+
+def _by_epoch(seen: list[tuple[int, list[int]]]) -> dict[int, list[list[int]]]:
+    out: dict[int, list[list[int]]] = {}
+    for epoch, ids in seen:
+        out.setdefault(epoch, []).append(ids)
+    return out
+
+
+def test_limit_train_batches_starts_each_epoch_afresh_and_resumes_at_an_epoch_end(tmp_path: Path) -> None:
+    """Without curriculum, each Lightning epoch cut by limit_train_batches is the start of the sampler's next epoch
+    (as with a shuffled DataLoader), not the rest of the previous one (which made every second epoch 3 batches
+    long); a resume from the checkpoint written at an epoch's last batch continues identically."""
+    full = _by_epoch(_fit(max_epochs=3))
+    assert [len(v) for v in full.values()] == [10, 10, 10]
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=7, save_top_k=-1, filename="{epoch}-{step}")
+    limited_seen = _fit(max_epochs=3, limit_train_batches=7, callbacks=[cb])
+    limited = _by_epoch(limited_seen)
+    assert [len(v) for v in limited.values()] == [7, 7, 7]
+    for epoch in range(3):
+        assert limited[epoch] == full[epoch][:7]  # epoch e's permutation, from its start
+    resumed = _fit(max_epochs=3, limit_train_batches=7, ckpt=str(tmp_path / "epoch=1-step=14.ckpt"))
+    assert resumed == limited_seen[14:]
