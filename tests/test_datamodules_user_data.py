@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from zlightning.datamodules import CurriculumDataModule
 
+from zlightning.testing import run_distributed
+
 N = 40
 
 
@@ -96,3 +98,37 @@ def test_limit_train_batches_starts_each_epoch_afresh_and_resumes_at_an_epoch_en
         assert limited[epoch] == full[epoch][:7]  # epoch e's permutation, from its start
     resumed = _fit(max_epochs=3, limit_train_batches=7, ckpt=str(tmp_path / "epoch=1-step=14.ckpt"))
     assert resumed == limited_seen[14:]
+
+
+def _packed(lengths: list[int], tokens_dtype: torch.dtype) -> dict[str, Tensor]:
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return {
+        "cu_seqlens": cu,
+        "tokens": torch.arange(total).to(tokens_dtype),
+        "mask": torch.ones(total, dtype=torch.bool),
+    }
+
+
+def _wrapper_with_mixed_dtypes_on_rank_0(rank: int, world: int) -> str:
+    from zlightning.datamodules import HybridCPConfig, HybridCPDataLoaderWrapper
+
+    second = torch.int32 if rank == 0 else torch.int64  # a user's collate that keeps each dataset's dtype
+    batches = [[_packed([4, 3], torch.int64), _packed([5], second)]]
+    try:
+        next(iter(HybridCPDataLoaderWrapper(batches, HybridCPConfig(max_seqlen_per_rank=16))))
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_hybrid_cp_batch_whose_samples_disagree_on_a_dtype_fails_clearly_on_every_rank() -> None:
+    """A packed batch whose samples give one key different dtypes (on one rank only) used to fail on that rank
+    inside the byte packing ('shape [5, 8] is invalid for input of size 20') after the peers had entered the
+    all-to-all (they died with 'Connection closed by peer', or hung). It is now refused when unpacked, before any
+    collective, and every rank says which rank, sample and key."""
+    errors = run_distributed(_wrapper_with_mixed_dtypes_on_rank_0, 2, timeout=120)
+    assert errors[0].startswith("ValueError: unpack_packed_batch: sample 1 key 'tokens' is torch.int32"), errors[0]
+    assert "earlier sample's is torch.int64" in errors[0]
+    assert errors[1].startswith("RuntimeError: HybridCPDataLoaderWrapper: a malformed batch on group rank(s) [0]")
+    assert "sample 1 key 'tokens' is torch.int32" in errors[1]

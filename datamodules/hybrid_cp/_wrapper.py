@@ -216,11 +216,12 @@ def unpack_packed_batch(
 
     Raises:
         ValueError: If ``cu_seqlens`` is missing or malformed, a kept value is not a tensor with ``cu[-1]`` rows, or
-            the samples do not all have the same keys.
+            the samples do not all have the same keys, and per key the same dtype and per-token shape.
     """
     samples = [batch] if isinstance(batch, Mapping) else list(batch)
     out: list[dict[str, Tensor]] = []
     keys: list[str] | None = None
+    kinds: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # key -> (dtype, per-token shape) of the first sample
     for s, sample in enumerate(samples):
         cu = _checked_cu_seqlens(sample, s)
         kept = sorted(k for k in sample if k not in ignored_keys)
@@ -238,6 +239,15 @@ def unpack_packed_batch(
                     f"unpack_packed_batch: sample {s} key {key!r} is {shape}, but every kept key must be a tensor "
                     f"with cu_seqlens[-1]={cu[-1]} rows. Add the key to HybridCPConfig.ignored_keys if it is not "
                     f"token-aligned."
+                )
+            # the sub-samples travel as rows of one byte layout (see [Note: one byte-level all-to-all])
+            kind = kinds.setdefault(key, (value.dtype, tuple(value.shape[1:])))
+            if (value.dtype, tuple(value.shape[1:])) != kind:
+                raise ValueError(
+                    f"unpack_packed_batch: sample {s} key {key!r} is {value.dtype} with per-token shape "
+                    f"{tuple(value.shape[1:])}, but an earlier sample's is {kind[0]} with {kind[1]}; every sample "
+                    f"of a batch must give a key the same dtype and per-token shape (cast or pad it in the dataset "
+                    f"or collate function)."
                 )
         for lo, hi in zip(cu[:-1], cu[1:]):
             if hi > lo:
