@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
@@ -132,3 +133,53 @@ def test_hybrid_cp_batch_whose_samples_disagree_on_a_dtype_fails_clearly_on_ever
     assert "earlier sample's is torch.int64" in errors[0]
     assert errors[1].startswith("RuntimeError: HybridCPDataLoaderWrapper: a malformed batch on group rank(s) [0]")
     assert "sample 1 key 'tokens' is torch.int32" in errors[1]
+
+
+def _curriculum_config(root: str, cluster_path: str) -> dict[str, Any]:
+    from zlightning.datamodules.curriculum import write_metric_index
+
+    write_metric_index(f"{root}/m", "m", np.random.default_rng(0).integers(1, 11, N))
+    metric = {
+        "index_to_sample_path": f"{root}/m/m_index_to_sample",
+        "index_to_metric_path": f"{root}/m/m_index_to_metric",
+        "min_difficulty": 3,
+        "max_difficulty": 10,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 1},
+    }
+    learning = {"enabled": True, "data_cluster_path": cluster_path, "curriculum_metrics": {"m": metric}}
+    return {"seed": 1, "data_sampling": {"num_epochs": 2, "curriculum_learning": learning}}
+
+
+def _fit_with_a_file_as_cluster_path(rank: int, world: int, root: str) -> str:
+    config = _curriculum_config(f"{root}/rank{rank}", f"{root}/not_a_folder")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    try:
+        trainer.fit(Recorder(), datamodule=CurriculumDataModule(config, base=UserDataModule()))
+    except Exception as err:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_an_unusable_cluster_path_fails_with_the_same_clear_error_on_every_rank(tmp_path: Path) -> None:
+    """data_cluster_path naming a file (or a folder that cannot be created) used to fail on DP rank 0 only, the one
+    that writes, with a bare FileExistsError; rank 1 went on into DDP's collectives and died with 'Connection reset
+    by peer' (or hung while rank 0 lived). Every rank now checks the folder at its first cluster."""
+    (tmp_path / "not_a_folder").write_text("")
+    errors = run_distributed(_fit_with_a_file_as_cluster_path, 2, str(tmp_path), init_process_group=False, timeout=120)
+    for error in errors:
+        assert error.startswith(
+            f"ValueError: DeepSpeedDataSampler: data_cluster_path '{tmp_path}/not_a_folder' is not a writable folder"
+        ), error
+        assert "FileExistsError" in error and "data_cluster_path to a folder every rank can create and write" in error

@@ -16,6 +16,9 @@ constraint" (DeepSpeed treats one metric's empty set as no constraint and breaks
 format) with a ``.json`` fingerprint of what produced it; a later sampler (a resume, another rank, the next run)
 re-uses a file whose fingerprint matches and recomputes one that does not (no stale-file hazard). A file without a
 fingerprint (a DeepSpeed run's cluster) is left untouched and the cluster is kept in memory.
+Only data-parallel rank 0 writes, but every rank checks at its first cluster that the folder can be created and
+written (a probe file): an unusable path must fail on every rank with the same message, not on rank 0 alone while
+the others go on into the training collectives and wait for it (a hang, or a 'Connection reset by peer' there).
 
 [Note: drawing]
 Each global batch: ``choice(num_clusters, G, p = sizes / sum(sizes))`` on the sampler's own generator gives how
@@ -363,6 +366,7 @@ class DeepSpeedDataSampler:
         self.curriculum_schedulers = {n: CurriculumScheduler(m.schedule) for n, m in cl.curriculum_metrics.items()}
         self._metric_indexes: dict[str, _MetricIndex] = {}
         self._cluster_dir = Path(cl.data_cluster_path) if cl.data_cluster_path else None
+        self._cluster_dir_checked = False
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -681,6 +685,9 @@ class DeepSpeedDataSampler:
     def _load_or_compute_cluster(self, diffs: Mapping[str, int]) -> np.ndarray:
         if self._cluster_dir is None:
             return self._compute_cluster(diffs)
+        if not self._cluster_dir_checked:
+            _check_writable_folder(self._cluster_dir)  # on every rank: see [Note: clusters]
+            self._cluster_dir_checked = True
         prefix = self._cluster_dir / self._cluster_name(diffs)
         meta_path = prefix.with_name(prefix.name + ".json")
         fingerprint = self._fingerprint(diffs)
@@ -941,6 +948,22 @@ def _check_group(group: Any, rank: int, size: int) -> None:
             f"DeepSpeedDataSampler: this process is rank {group.rank()} of data_parallel_group but "
             f"data_parallel_rank={rank}; pass its rank in the group (a rank outside the group reports -1)."
         )
+
+
+def _check_writable_folder(folder: Path) -> None:
+    """Creates ``folder`` if missing and checks that a file can be written in it (the cluster folder)."""
+    probe = folder / f".write_check.{os.getpid()}.{uuid.uuid4().hex}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"DeepSpeedDataSampler: data_cluster_path {str(folder)!r} is not a writable folder ({type(err).__name__}: "
+            f"{err}); data-parallel rank 0 persists the curriculum clusters there. Set "
+            "data_efficiency.data_sampling.curriculum_learning.data_cluster_path to a folder every rank can create "
+            "and write, or remove it to keep the clusters in memory."
+        ) from err
 
 
 def _plain(obj: Any) -> Any:
