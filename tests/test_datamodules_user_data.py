@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
@@ -183,3 +184,19 @@ def test_an_unusable_cluster_path_fails_with_the_same_clear_error_on_every_rank(
             f"ValueError: DeepSpeedDataSampler: data_cluster_path '{tmp_path}/not_a_folder' is not a writable folder"
         ), error
         assert "FileExistsError" in error and "data_cluster_path to a folder every rank can create and write" in error
+
+
+def test_a_missing_metric_index_file_is_named_with_its_metric_and_setting(tmp_path: Path) -> None:
+    """A mistyped index_to_sample_path used to fail with a bare "[Errno 2] No such file or directory: '....bin'"
+    from the cluster fingerprint, before the index file's own message; now the metric and its settings are named."""
+    from zlightning.datamodules import DeepSpeedDataSampler
+
+    config = _curriculum_config(str(tmp_path), str(tmp_path / "clusters"))
+    metric = config["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["m"]
+    metric["index_to_sample_path"] = str(tmp_path / "m" / "typo_index_to_sample")
+    sampler = DeepSpeedDataSampler(config, N, 4)
+    with pytest.raises(FileNotFoundError) as info:
+        next(iter(sampler))
+    message = str(info.value)
+    assert message.startswith("DeepSpeedDataSampler: the index files of curriculum metric 'm' (index_to_sample_path=")
+    assert f"{tmp_path}/m/typo_index_to_sample.idx does not exist" in message

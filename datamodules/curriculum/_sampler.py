@@ -567,7 +567,15 @@ class DeepSpeedDataSampler:
 
     def _metric_index(self, name: str) -> _MetricIndex:
         if name not in self._metric_indexes:
-            self._metric_indexes[name] = _MetricIndex(self.config.curriculum.curriculum_metrics[name])
+            m = self.config.curriculum.curriculum_metrics[name]
+            try:
+                self._metric_indexes[name] = _MetricIndex(m)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(
+                    f"DeepSpeedDataSampler: the index files of curriculum metric {name!r} (index_to_sample_path="
+                    f"{m.index_to_sample_path!r}, index_to_metric_path={m.index_to_metric_path!r}) cannot be read: "
+                    f"{err}"
+                ) from err
         return self._metric_indexes[name]
 
     def _ordered(self, name: str, lo_pos: int, hi_pos: int) -> np.ndarray:
@@ -665,6 +673,8 @@ class DeepSpeedDataSampler:
     def _fingerprint(self, diffs: Mapping[str, int]) -> dict[str, Any]:
         metrics = {}
         for name, m in self.config.curriculum.curriculum_metrics.items():
+            if m.clustering_type == "schedule_based":
+                self._metric_index(name)  # opens (checks) the files first: a missing one is named with its setting
             files = [
                 p
                 for p in (m.index_to_sample_path, m.index_to_metric_path)
