@@ -200,3 +200,68 @@ def test_a_missing_metric_index_file_is_named_with_its_metric_and_setting(tmp_pa
     message = str(info.value)
     assert message.startswith("DeepSpeedDataSampler: the index files of curriculum metric 'm' (index_to_sample_path=")
     assert f"{tmp_path}/m/typo_index_to_sample.idx does not exist" in message
+
+
+class StepRecorder(Recorder):
+    """Records ``(optimizer step, sample ids, sequence length)`` per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[int, list[int], int]] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.steps.append((self.trainer.global_step, batch["label"].tolist(), batch["ids"].shape[1]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_curriculum_step_stays_in_lockstep_with_the_optimizer_step_across_short_epochs() -> None:
+    """limit_train_batches=3 with accumulate_grad_batches=2: Lightning steps the optimizer at each epoch's end after
+    one micro-batch. The sampler used to carry on with the rest of that global batch, so from then on every optimizer
+    step mixed two curriculum steps (sequence lengths [4], [4, 6], [6], ...). Now each optimizer step k trains on
+    global batch k only, at the difficulty of curriculum step k."""
+    from zlightning.datamodules import DeepSpeedDataSampler
+
+    config = {
+        "seed": 1,
+        "data_sampling": {
+            "num_epochs": 2,
+            "curriculum_learning": {
+                "enabled": True,
+                "curriculum_metrics": {
+                    "seqlen_truncate": {
+                        "clustering_type": "single_cluster",
+                        "min_difficulty": 2,
+                        "max_difficulty": 8,
+                        "schedule_type": "fixed_linear",
+                        "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 2},
+                    }
+                },
+            },
+        },
+    }
+    model = StepRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        limit_train_batches=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule=CurriculumDataModule(config, base=UserDataModule()))
+    assert trainer.global_step == 6 and len(model.steps) == 9
+    per_step: dict[int, list[tuple[list[int], int]]] = {}
+    for step, ids, length in model.steps:
+        per_step.setdefault(step, []).append((ids, length))
+    assert [[length for _, length in mbs] for mbs in per_step.values()] == [[2, 2], [4], [6, 6], [8], [8, 8], [8]]
+    reference = DeepSpeedDataSampler(config, N, 4, gradient_accumulation_steps=2)
+    for step, mbs in per_step.items():
+        reference.get_next_global_batch()  # curriculum step `step + 1`
+        assert reference.curriculum_step == step + 1
+        global_batch = reference.batch
+        assert [i for ids, _ in mbs for i in ids] == global_batch[: 4 * len(mbs)]  # one global batch per step

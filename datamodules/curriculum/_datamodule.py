@@ -25,7 +25,10 @@ and whether it was that epoch's last one (``trainer.num_training_batches`` consu
 the sampler's epoch (`DeepSpeedDataSampler.end_epoch`). The second condition is needed on resume from a checkpoint
 written at an epoch's last batch: Lightning creates (and prefetches from) the iterator before it moves its epoch
 counter on, and then keeps that iterator for the next epoch. With curriculum the sampler is one stream for the whole
-run, across epochs.
+run, across epochs, but Lightning ends every epoch with an optimizer step, also after fewer than
+``accumulate_grad_batches`` micro-batches: ending the epoch there drops the rest of the sampler's global batch, so
+the next epoch starts a new curriculum step and every optimizer step trains on one global batch at one difficulty
+(before, with ``limit_train_batches=3`` and ``accumulate_grad_batches=2``, later steps mixed two difficulties).
 
 [Note: sequence-length curriculum]
 A metric named ``seqlen_truncate`` (DeepSpeed's name; normally ``clustering_type: single_cluster``, so it needs no
@@ -47,7 +50,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from ._config import DataEfficiencyConfig
-from ._sampler import DeepSpeedDataSampler, _consumed_samples_at
+from ._sampler import DeepSpeedDataSampler, _consumed_samples_at, _starts_global_batch
 
 __all__ = ["CurriculumDataModule"]
 
@@ -232,8 +235,7 @@ class CurriculumDataModule(LightningDataModule):
         return batch
 
     def _log(self, trainer: Any, diffs: dict[str, int]) -> None:
-        accum = self.sampler.gradient_accumulation_steps  # type: ignore[union-attr]
-        first_of_step = (self._consumed - 1) % accum == 0
+        first_of_step = _starts_global_batch(self.sampler, self._consumed)  # type: ignore[arg-type]
         if not trainer.loggers or not first_of_step or trainer.global_step % max(1, trainer.log_every_n_steps):
             return
         metrics: dict[str, float] = {f"curriculum/{name}": float(d) for name, d in diffs.items()}

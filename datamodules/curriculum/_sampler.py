@@ -445,12 +445,19 @@ class DeepSpeedDataSampler:
         self.epoch_position = 0
 
     def end_epoch(self) -> None:
-        """Ends the current epoch where it stands (without curriculum): the next iteration starts the next epoch's
-        permutation instead of continuing this one. For a consumer that ends its epochs early, as Lightning's
-        ``limit_train_batches`` does (`CurriculumDataModule` calls it; see [Note: Lightning epochs] there). Does
-        nothing with curriculum (one stream for the whole run) or at an epoch's start.
+        """Ends the consumer's epoch where it stands, for a consumer that ends its epochs early, as Lightning's
+        ``limit_train_batches`` does (`CurriculumDataModule` calls it; see [Note: Lightning epochs] there).
+
+        Without curriculum the next iteration starts the next epoch's permutation instead of continuing this one.
+        With curriculum the rest of the current global batch is dropped, so the next micro-batch starts the next
+        curriculum step: Lightning takes an optimizer step at the end of every epoch, even after fewer than
+        ``gradient_accumulation_steps`` micro-batches, and the curriculum step stays in lockstep with it. Does
+        nothing at an epoch's or a global batch's start.
         """
-        if self.curriculum_enabled or self.epoch_position == 0:
+        if self.curriculum_enabled:
+            self._batch_pos = self._batch.size
+            return
+        if self.epoch_position == 0:
             return
         self.epoch += 1
         self.epoch_position = 0
@@ -982,6 +989,12 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, np.integer):
         return int(obj)
     return obj
+
+
+def _starts_global_batch(sampler: DeepSpeedDataSampler, micro_batches: int) -> bool:
+    """Whether the ``micro_batches``-th micro-batch was the first of its global batch (curriculum step)."""
+    mark = sampler._find_mark(micro_batches)
+    return mark.batch_pos <= sampler.micro_batch_times_data_parallel_size
 
 
 def _consumed_samples_at(sampler: DeepSpeedDataSampler, micro_batches: int) -> int:
