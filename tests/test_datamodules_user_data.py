@@ -202,6 +202,28 @@ def test_a_missing_metric_index_file_is_named_with_its_metric_and_setting(tmp_pa
     assert f"{tmp_path}/m/typo_index_to_sample.idx does not exist" in message
 
 
+def _seqlen_config() -> dict[str, Any]:
+    """A sequence-length curriculum: 2, 4, 6, 8 tokens at curriculum steps 1, 2, 3, 4+."""
+    return {
+        "seed": 1,
+        "data_sampling": {
+            "num_epochs": 2,
+            "curriculum_learning": {
+                "enabled": True,
+                "curriculum_metrics": {
+                    "seqlen_truncate": {
+                        "clustering_type": "single_cluster",
+                        "min_difficulty": 2,
+                        "max_difficulty": 8,
+                        "schedule_type": "fixed_linear",
+                        "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 2},
+                    }
+                },
+            },
+        },
+    }
+
+
 class StepRecorder(Recorder):
     """Records ``(optimizer step, sample ids, sequence length)`` per micro-batch."""
 
@@ -221,24 +243,7 @@ def test_curriculum_step_stays_in_lockstep_with_the_optimizer_step_across_short_
     global batch k only, at the difficulty of curriculum step k."""
     from zlightning.datamodules import DeepSpeedDataSampler
 
-    config = {
-        "seed": 1,
-        "data_sampling": {
-            "num_epochs": 2,
-            "curriculum_learning": {
-                "enabled": True,
-                "curriculum_metrics": {
-                    "seqlen_truncate": {
-                        "clustering_type": "single_cluster",
-                        "min_difficulty": 2,
-                        "max_difficulty": 8,
-                        "schedule_type": "fixed_linear",
-                        "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 2},
-                    }
-                },
-            },
-        },
-    }
+    config = _seqlen_config()
     model = StepRecorder()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -265,3 +270,52 @@ def test_curriculum_step_stays_in_lockstep_with_the_optimizer_step_across_short_
         assert reference.curriculum_step == step + 1
         global_batch = reference.batch
         assert [i for ids, _ in mbs for i in ids] == global_batch[: 4 * len(mbs)]  # one global batch per step
+
+
+def _fit_steps(
+    curriculum: bool, devices: int, micro_batch: int, max_steps: int, ckpt: str | None = None, save: str | None = None
+) -> list[tuple[list[int], int]]:
+    config = _seqlen_config() if curriculum else {"seed": 1}
+    model = StepRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    dm = CurriculumDataModule(config, base=UserDataModule(), micro_batch_size=micro_batch)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return [(ids, length) for _, ids, length in model.steps]
+
+
+def _two_ranks_of_four(rank: int, world: int, root: str) -> dict[bool, list[Any]]:
+    out: dict[bool, list[Any]] = {}
+    for curriculum in (True, False):
+        full = _fit_steps(curriculum, world, 4, 5)
+        _fit_steps(curriculum, world, 4, 2, save=f"{root}/{curriculum}.ckpt")
+        out[curriculum] = full
+    return out
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank_with_the_same_global_micro_batch(tmp_path: Path) -> None:
+    """DDP on 2 ranks with micro-batches of 4, stopped by max_steps and checkpointed, resumes on 1 process with
+    micro-batches of 8 (the same global batch): it trains on exactly the union of what the 2 ranks of the
+    uninterrupted run trained on, with and without curriculum. The sampler used to refuse any change of
+    data_parallel_size or micro_batch_size, although its stream depends only on their product."""
+    runs = run_distributed(_two_ranks_of_four, 2, str(tmp_path), init_process_group=False, timeout=240)
+    for curriculum in (True, False):
+        union = [(a[0] + b[0], a[1]) for a, b in zip(runs[0][curriculum], runs[1][curriculum])]
+        assert len(union) == (10 if curriculum else 9)  # (without curriculum, 5 micro-batches an epoch)
+        resumed = _fit_steps(curriculum, 1, 8, 5, ckpt=str(tmp_path / f"{curriculum}.ckpt"))
+        assert resumed == union[4:]
+    with pytest.raises(ValueError, match=r"'micro_batch_size \* data_parallel_size': \(4, 8\)"):
+        _fit_steps(True, 1, 4, 5, ckpt=str(tmp_path / "True.ckpt"))

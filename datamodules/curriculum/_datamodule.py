@@ -19,16 +19,18 @@ Without curriculum the sampler yields one epoch (a permutation of the dataset) p
 continues the epoch where training stopped (a resume, or an iterator Lightning made and dropped). But Lightning may
 end an epoch early (``limit_train_batches``): the next Lightning epoch must then start the sampler's next epoch, as a
 shuffled ``DataLoader`` or ``DistributedSampler.set_epoch`` would, not hand out the rest of this one (which made every
-second Lightning epoch short). So the module records the Lightning epoch of the last micro-batch training consumed
-and whether it was that epoch's last one (``trainer.num_training_batches`` consumed in it), both saved in
-`state_dict`; a loader iterator created in a later Lightning epoch, or after an epoch's last micro-batch, first ends
-the sampler's epoch (`DeepSpeedDataSampler.end_epoch`). The second condition is needed on resume from a checkpoint
-written at an epoch's last batch: Lightning creates (and prefetches from) the iterator before it moves its epoch
-counter on, and then keeps that iterator for the next epoch. With curriculum the sampler is one stream for the whole
-run, across epochs, but Lightning ends every epoch with an optimizer step, also after fewer than
-``accumulate_grad_batches`` micro-batches: ending the epoch there drops the rest of the sampler's global batch, so
-the next epoch starts a new curriculum step and every optimizer step trains on one global batch at one difficulty
-(before, with ``limit_train_batches=3`` and ``accumulate_grad_batches=2``, later steps mixed two difficulties).
+second Lightning epoch short). So the module records, for the last micro-batch training consumed, its Lightning
+epoch and whether it was that epoch's last one (``trainer.num_training_batches`` consumed in it), saved in
+`state_dict`; a loader iterator created after an epoch's last micro-batch first ends the sampler's epoch
+(`DeepSpeedDataSampler.end_epoch`). The test is "the epoch's batches were all consumed", not "Lightning's epoch
+counter moved on": on resume from a checkpoint written at an epoch's last batch, Lightning creates (and prefetches
+from) the iterator before it moves its counter on, then keeps that iterator for the next epoch; and a run stopped
+mid-epoch by ``max_steps`` counts its epoch as completed, so the resumed run is in the next Lightning epoch but must
+go on with the rest of the sampler's one (the batches the uninterrupted run would train on). With curriculum the
+sampler is one stream for the whole run, across epochs, but Lightning ends every epoch with an optimizer step, also
+after fewer than ``accumulate_grad_batches`` micro-batches: ending the epoch there drops the rest of the sampler's
+global batch, so the next epoch starts a new curriculum step and every optimizer step trains on one global batch at
+one difficulty (before, with ``limit_train_batches=3`` and ``accumulate_grad_batches=2``, later steps mixed two).
 
 [Note: sequence-length curriculum]
 A metric named ``seqlen_truncate`` (DeepSpeed's name; normally ``clustering_type: single_cluster``, so it needs no
@@ -76,7 +78,7 @@ class _SamplerLoader:
         trainer, (epoch, _, done) = self.module.trainer, self.module._epoch_consumed
         if sampler is None or trainer is None or not trainer.training or epoch is None:
             return iter(self.loader)
-        if trainer.current_epoch > epoch or done:  # See [Note: Lightning epochs].
+        if done:  # See [Note: Lightning epochs].
             sampler.end_epoch()
         return iter(self.loader)
 

@@ -49,6 +49,14 @@ right after the ``k``-th micro-batch; `CurriculumDataModule` passes the number t
 DeepSpeed's own sampler state (its seven keys, and its cluster files) is imported by `load_state_dict` and exported
 by `deepspeed_state_dict`: see [Note: DeepSpeed checkpoints] in ``_deepspeed_state.py``.
 
+[Note: resuming on another number of ranks]
+Every rank draws the same global stream and takes a contiguous slice of each global micro-batch of ``b * D`` samples
+([Note: no broadcast]); nothing in the state depends on ``b`` or ``D`` apart from their product (counters count
+global samples and micro-batch rounds, the pending batch is global). So a state loads into a sampler with other
+``b`` and ``D`` but the same ``b * D``, gradient accumulation, dataset length and seed, and the union of its ranks'
+slices continues the identical stream: 2 ranks x 4 samples resume as 1 rank x 8 (what DDP trains on is the same
+global batch). A different ``b * D`` or accumulation would change the global batches and is refused, naming them.
+
 [Note: counting and termination]
 ``consumed_samples`` counts global samples (``micro_batch_size * dp_size`` per micro-batch) *including* the one just
 yielded (DeepSpeed lags one micro-batch). With curriculum, iteration stops once ``N * num_epochs`` samples are
@@ -872,13 +880,7 @@ class DeepSpeedDataSampler:
                 f"DeepSpeedDataSampler.load_state_dict: unsupported state format {state.get('format')!r} (expected "
                 f"{STATE_FORMAT!r}, or DeepSpeed's sampler state with keys {list(DEEPSPEED_STATE_KEYS)})."
             )
-        diff = {k: (v, state["shape"].get(k)) for k, v in self._shape().items() if state["shape"].get(k) != v}
-        if diff:
-            raise ValueError(
-                "DeepSpeedDataSampler.load_state_dict: the checkpoint was written by a sampler with different "
-                f"settings {{name: (now, in checkpoint)}}: {diff}. Resume with the same dataset, micro-batch size, "
-                "data-parallel size, gradient accumulation and seed."
-            )
+        self._check_shape(state["shape"])
         self._reset_state()
         imported = state.get("data_cluster_imported_order", {})
         for name, diffs in zip(state["data_cluster_paths"], state["data_cluster_difficulties"]):
@@ -910,6 +912,24 @@ class DeepSpeedDataSampler:
         self.epoch, self.epoch_position = int(state["epoch"]), int(state["epoch_position"])
         self._batch, self._batch_pos = np.asarray(state["batch"], dtype=np.int64), 0
         self._restart_history()
+
+    def _check_shape(self, saved: Mapping[str, Any]) -> None:
+        """A state fits if it has this sampler's stream: see [Note: resuming on another number of ranks]."""
+        mine = self._shape()
+        diff = {k: (mine[k], saved.get(k)) for k in ("one_epoch_total_samples", "gradient_accumulation_steps", "seed")}
+        try:
+            saved_micro: int | None = int(saved["micro_batch_size"]) * int(saved["data_parallel_size"])
+        except (KeyError, TypeError, ValueError):
+            saved_micro = None
+        diff["micro_batch_size * data_parallel_size"] = (self.micro_batch_times_data_parallel_size, saved_micro)
+        diff = {k: v for k, v in diff.items() if v[0] != v[1]}
+        if diff:
+            raise ValueError(
+                "DeepSpeedDataSampler.load_state_dict: the checkpoint was written by a sampler with different "
+                f"settings {{name: (now, in checkpoint)}}: {diff}. Resume with the same dataset, gradient "
+                "accumulation, seed and global micro-batch (micro_batch_size x data-parallel size: a run on 2 ranks "
+                "with micro-batches of 4 resumes on 1 rank with micro-batches of 8)."
+            )
 
     def _restart_history(self) -> None:
         """Makes the current state the only remembered one (after a load)."""
