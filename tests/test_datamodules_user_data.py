@@ -319,3 +319,69 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_with_the_same_global_micro_ba
         assert resumed == union[4:]
     with pytest.raises(ValueError, match=r"'micro_batch_size \* data_parallel_size': \(4, 8\)"):
         _fit_steps(True, 1, 4, 5, ckpt=str(tmp_path / "True.ckpt"))
+
+
+class SubSampleRecorder(pl.LightningModule):
+    """Consumes `HybridCPBatch`es as a user's own module would; records ``(epoch, [(gid, tokens)])`` per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.seen: list[tuple[int, list[tuple[int, list[int]]]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.seen.append((self.current_epoch, [(s.gid, s.data["tokens"].tolist()) for s in batch.sub_samples]))
+        return (self.w * 0.0).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit_hybrid_cp(
+    root: str, ckpt: str | None = None, save: str | None = None, weights_only: bool | None = None, **trainer_kw: Any
+) -> list[Any]:
+    from tests.test_hybrid_cp_lightning import _datamodule
+
+    model = SubSampleRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **trainer_kw,
+    )
+    trainer.fit(model, datamodule=_datamodule(root), ckpt_path=ckpt, weights_only=weights_only)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return model.seen
+
+
+def _hybrid_cp_resume(rank: int, world: int, root: str) -> tuple[list[Any], list[Any], list[Any]]:
+    full = _fit_hybrid_cp(root, max_epochs=3)
+    first = _fit_hybrid_cp(root, max_steps=8, save=f"{root}/mid.ckpt")
+    # (weights_only=False: the checkpoint's datamodule hyper-parameters hold a HybridCPConfig)
+    second = _fit_hybrid_cp(root, ckpt=f"{root}/mid.ckpt", weights_only=False, max_epochs=3)
+    return full, first, second
+
+
+def test_hybrid_cp_text_datamodule_resumed_run_shuffles_each_epoch_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    """HybridCPTextDataModule counted its DistributedSampler's epochs itself, from 0 in every process, so a run
+    resumed from a checkpoint (here: stopped by max_steps in epoch 1; Lightning goes on with epoch 2) trained epoch 2
+    on epoch 0's order. It now takes the Trainer's epoch: the resumed run's batches equal the uninterrupted run's."""
+    from tests.test_hybrid_cp_lightning import _write_corpus
+
+    _write_corpus(tmp_path)
+    runs = run_distributed(_hybrid_cp_resume, 2, str(tmp_path), init_process_group=False, timeout=240)
+    for full, first, second in runs:
+        by_epoch: dict[int, list[Any]] = {}
+        for epoch, subs in full:
+            by_epoch.setdefault(epoch, []).append(subs)
+        assert sorted(by_epoch) == [0, 1, 2] and by_epoch[0] != by_epoch[2]  # epochs are shuffled differently
+        assert first == full[: len(first)]
+        assert [e for e, _ in second] == [2] * len(by_epoch[2])
+        assert [subs for _, subs in second] == by_epoch[2]

@@ -17,7 +17,7 @@ real tokens, so causal attention never lets a real token see it, and it carries 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,16 +87,27 @@ def _as_list(samples: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
 
 
 class _EpochLoader:
-    """Iterates a ``DataLoader`` with a ``DistributedSampler``, advancing the sampler's epoch on every pass."""
+    """Iterates a ``DataLoader`` with a ``DistributedSampler``, setting the sampler's epoch on every pass.
 
-    def __init__(self, loader: DataLoader[Any], sampler: DistributedSampler[Any]) -> None:
+    The epoch is the Trainer's ``current_epoch`` when ``trainer_epoch`` gives one (what Lightning's own
+    ``set_epoch`` call would pass, which does not reach a sampler behind the wrapper): a run resumed from a checkpoint
+    then shuffles each epoch as the uninterrupted run did, instead of counting passes from 0 again. Without a Trainer
+    the passes are counted.
+    """
+
+    def __init__(
+        self, loader: DataLoader[Any], sampler: DistributedSampler[Any], trainer_epoch: Callable[[], int | None]
+    ) -> None:
         self.loader = loader
         self.sampler = sampler
+        self.trainer_epoch = trainer_epoch
         self.epoch = 0
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
+        epoch = self.trainer_epoch()
+        epoch = self.epoch if epoch is None else epoch
+        self.sampler.set_epoch(epoch)
+        self.epoch = epoch + 1
         return iter(self.loader)
 
     def __len__(self) -> int:
@@ -185,4 +196,8 @@ class HybridCPTextDataModule(TextCorpusDataModule):
             collate_fn=_as_list,
             num_workers=self.config.num_workers,
         )
-        return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler), self.hybrid_cp)
+        return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler, self._trainer_epoch), self.hybrid_cp)
+
+    def _trainer_epoch(self) -> int | None:
+        trainer = self.trainer
+        return None if trainer is None else int(trainer.current_epoch)
