@@ -338,14 +338,19 @@ class SubSampleRecorder(pl.LightningModule):
 
 
 def _fit_hybrid_cp(
-    root: str, ckpt: str | None = None, save: str | None = None, weights_only: bool | None = None, **trainer_kw: Any
+    root: str,
+    ckpt: str | None = None,
+    save: str | None = None,
+    weights_only: bool | None = None,
+    devices: int = 2,
+    **trainer_kw: Any,
 ) -> list[Any]:
     from tests.test_hybrid_cp_lightning import _datamodule
 
     model = SubSampleRecorder()
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy="ddp",
         logger=False,
         enable_checkpointing=False,
@@ -364,8 +369,7 @@ def _fit_hybrid_cp(
 def _hybrid_cp_resume(rank: int, world: int, root: str) -> tuple[list[Any], list[Any], list[Any]]:
     full = _fit_hybrid_cp(root, max_epochs=3)
     first = _fit_hybrid_cp(root, max_steps=8, save=f"{root}/mid.ckpt")
-    # (weights_only=False: the checkpoint's datamodule hyper-parameters hold a HybridCPConfig)
-    second = _fit_hybrid_cp(root, ckpt=f"{root}/mid.ckpt", weights_only=False, max_epochs=3)
+    second = _fit_hybrid_cp(root, ckpt=f"{root}/mid.ckpt", max_epochs=3)
     return full, first, second
 
 
@@ -385,3 +389,32 @@ def test_hybrid_cp_text_datamodule_resumed_run_shuffles_each_epoch_as_the_uninte
         assert first == full[: len(first)]
         assert [e for e, _ in second] == [2] * len(by_epoch[2])
         assert [subs for _, subs in second] == by_epoch[2]
+
+
+def _hybrid_cp_resume_by_default(rank: int, world: int, root: str) -> tuple[list[Any], list[Any], list[Any], Any]:
+    full = _fit_hybrid_cp(root, devices=world, max_steps=7)
+    first = _fit_hybrid_cp(root, devices=world, max_steps=2, save=f"{root}/two.ckpt")
+    second = _fit_hybrid_cp(root, devices=world, ckpt=f"{root}/two.ckpt", max_steps=3)  # weights_only as Lightning's
+    return full, first, second, torch.load(f"{root}/two.ckpt", weights_only=True)["datamodule_hyper_parameters"]
+
+
+def test_hybrid_cp_text_datamodule_checkpoint_resumes_without_the_unsafe_load_opt_in(tmp_path: Path) -> None:
+    """Under Lightning's ddp strategy the checkpoint's datamodule hyper-parameters held the HybridCPConfig object, so
+        trainer.fit(ckpt_path=...) failed in Lightning 2.6's weights-only load ('Unsupported global: ...HybridCPConfig')
+        unless the user opted in to full unpickling. They now hold it as a plain dict and the resume continues as the
+    uninterrupted run."""
+    from tests.test_hybrid_cp_lightning import _write_corpus
+
+    _write_corpus(tmp_path)
+    runs = run_distributed(_hybrid_cp_resume_by_default, 2, str(tmp_path), init_process_group=False, timeout=120)
+    for full, first, second, hparams in runs:
+        # Lightning counts an epoch stopped by max_steps as completed: the resumed step is the next epoch's first
+        assert len(full) == 7 and [e for e, _ in full] == [0] * 6 + [1]
+        assert first == full[:2] and second == full[6:]
+        assert hparams["hybrid_cp"] == {
+            "max_seqlen_per_rank": 16,
+            "cp_size": 1,
+            "cost": None,
+            "ignored_keys": ["cu_seqlens", "max_seqlen", "batch_idx"],
+            "check_replicas": True,
+        }

@@ -12,6 +12,13 @@ document piece is therefore padded at its end to a multiple of ``pad_multiple`` 
 which covers every CP size the scheduler can choose) with token 0 and ``loss_mask`` 0: the padding sits after the
 real tokens, so causal attention never lets a real token see it, and it carries no loss. A packed sample thus holds
 ``seq_len`` real tokens plus padding, and ``cu_seqlens`` marks the padded pieces.
+
+[Note: data-only hyper-parameters]
+Lightning writes the data module's hyper-parameters into every checkpoint and, since 2.6, loads checkpoints with
+``torch.load(weights_only=True)``, which refuses any class it does not know. With the `HybridCPConfig` object in
+them, a checkpoint of Lightning's own strategies (``ddp``) could not be resumed by ``trainer.fit(ckpt_path=...)``
+without ``weights_only=False`` (zlightning's strategies describe such values themselves). The hyper-parameters
+therefore hold the config as a plain dict (a custom ``cost`` as its ``repr``); the module itself keeps the object.
 """
 
 from __future__ import annotations
@@ -79,6 +86,17 @@ class PackedDocumentDataset(Dataset[dict[str, Tensor]]):
     def max_piece_length(self) -> int:
         """The longest padded piece a sample can hold: ``seq_len`` rounded up to ``pad_multiple``."""
         return math.ceil(self.packed.seq_len / self.pad_multiple) * self.pad_multiple
+
+
+def _describe(config: HybridCPConfig) -> dict[str, Any]:
+    """``config`` as plain data for the hyper-parameters (see [Note: data-only hyper-parameters])."""
+    return {
+        "max_seqlen_per_rank": config.max_seqlen_per_rank,
+        "cp_size": config.cp_size,
+        "cost": None if config.cost is None else repr(config.cost),
+        "ignored_keys": list(config.ignored_keys),
+        "check_replicas": config.check_replicas,
+    }
 
 
 def _as_list(samples: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
@@ -150,6 +168,7 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         super().__init__(**kwargs)
         self.hybrid_cp = hybrid_cp
         self.pad_multiple = pad_multiple
+        self.hparams["hybrid_cp"] = _describe(hybrid_cp)  # See [Note: data-only hyper-parameters].
 
     @override
     def train_dataloader(self) -> HybridCPDataLoaderWrapper:  # type: ignore[override]
