@@ -343,6 +343,7 @@ def _fit_hybrid_cp(
     save: str | None = None,
     weights_only: bool | None = None,
     devices: int = 2,
+    callbacks: list[Any] | None = None,
     **trainer_kw: Any,
 ) -> list[Any]:
     from tests.test_hybrid_cp_lightning import _datamodule
@@ -353,7 +354,8 @@ def _fit_hybrid_cp(
         devices=devices,
         strategy="ddp",
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=callbacks is not None,
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -418,3 +420,28 @@ def test_hybrid_cp_text_datamodule_checkpoint_resumes_without_the_unsafe_load_op
             "ignored_keys": ["cu_seqlens", "max_seqlen", "batch_idx"],
             "check_replicas": True,
         }
+
+
+def _hybrid_cp_mid_epoch_resume(rank: int, world: int, root: str) -> tuple[list[Any], dict[str, list[Any]]]:
+    every_step = ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
+    full = _fit_hybrid_cp(root, callbacks=[every_step], max_epochs=2)
+    resumed = {}
+    for name in ("epoch=0-step=2", "epoch=0-step=6", "epoch=1-step=9"):  # mid-epoch, an epoch's last batch, mid-epoch
+        resumed[name] = _fit_hybrid_cp(root, ckpt=f"{root}/ck/{name}.ckpt", max_epochs=2)
+    return full, resumed
+
+
+def test_hybrid_cp_text_datamodule_resumes_mid_epoch_where_training_stood(tmp_path: Path) -> None:
+    """A checkpoint written mid-epoch (ModelCheckpoint(every_n_train_steps=1)) used to resume at the start of its
+    epoch: the wrapper looks stateful to Lightning but saved nothing, so the first resumed steps replayed the epoch's
+    first batches and its last ones were never trained. The module now saves where training stands in its epoch and
+    the first pass skips what was trained: from a mid-epoch checkpoint and from an epoch's last batch, the resumed
+    run's steps equal the uninterrupted run's on both ranks."""
+    from tests.test_hybrid_cp_lightning import _write_corpus
+
+    _write_corpus(tmp_path)
+    runs = run_distributed(_hybrid_cp_mid_epoch_resume, 2, str(tmp_path), init_process_group=False, timeout=240)
+    for full, resumed in runs:
+        assert len(full) == 12 and [e for e, _ in full] == [0] * 6 + [1] * 6
+        for name, done in (("epoch=0-step=2", 2), ("epoch=0-step=6", 6), ("epoch=1-step=9", 9)):
+            assert resumed[name] == full[done:], name

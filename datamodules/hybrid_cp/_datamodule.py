@@ -13,6 +13,18 @@ which covers every CP size the scheduler can choose) with token 0 and ``loss_mas
 real tokens, so causal attention never lets a real token see it, and it carries no loss. A packed sample thus holds
 ``seq_len`` real tokens plus padding, and ``cu_seqlens`` marks the padded pieces.
 
+[Note: epochs and resume]
+The training loader's ``DistributedSampler`` sits behind the wrapper, where Lightning's ``set_epoch`` call does not
+reach it, so the loader sets the epoch itself at each pass, to the Trainer's ``current_epoch`` (a count of passes
+from 0 in each process replays epoch 0's order after a resume). And the wrapper looks stateful to
+Lightning (it has ``state_dict``), so Lightning does not warn that a mid-epoch resume restarts the epoch: the module
+saves where training stands (Lightning epoch, micro-batches processed in it, whether that was all of them, read from
+the fit loop's counters when the checkpoint is written; the loader runs ahead, so its own count would be too high),
+and the first pass after a restore skips those micro-batches' samples in the sampler's order (no sample is loaded for
+them), or starts the next epoch if the saved one was complete: Lightning creates that pass's iterator before it
+moves its epoch counter on. If Lightning is already in another epoch (a run stopped by ``max_steps`` counts its
+epoch as completed), the pass starts that epoch.
+
 [Note: data-only hyper-parameters]
 Lightning writes the data module's hyper-parameters into every checkpoint and, since 2.6, loads checkpoints with
 ``torch.load(weights_only=True)``, which refuses any class it does not know. With the `HybridCPConfig` object in
@@ -23,6 +35,7 @@ therefore hold the config as a plain dict (a custom ``cost`` as its ``repr``); t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from typing_extensions import override
 
 from ..text import PackedByteDataset, TextCorpusDataModule
@@ -104,27 +117,46 @@ def _as_list(samples: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
     return samples
 
 
-class _EpochLoader:
-    """Iterates a ``DataLoader`` with a ``DistributedSampler``, setting the sampler's epoch on every pass.
+class _SkippingSampler(Sampler[int]):
+    """A ``DistributedSampler``'s indices from position ``skip`` on; its length stays the whole epoch's."""
 
-    The epoch is the Trainer's ``current_epoch`` when ``trainer_epoch`` gives one (what Lightning's own
-    ``set_epoch`` call would pass, which does not reach a sampler behind the wrapper): a run resumed from a checkpoint
-    then shuffles each epoch as the uninterrupted run did, instead of counting passes from 0 again. Without a Trainer
-    the passes are counted.
+    def __init__(self, inner: DistributedSampler[Any]) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.inner), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class _EpochLoader:
+    """Iterates a ``DataLoader`` over a ``DistributedSampler``, setting the epoch (and skipping trained
+    micro-batches) on every pass. See [Note: epochs and resume].
+
+    ``start()`` gives the pass's epoch and the micro-batches of it to skip; a None epoch (no Trainer): passes are
+    counted.
     """
 
     def __init__(
-        self, loader: DataLoader[Any], sampler: DistributedSampler[Any], trainer_epoch: Callable[[], int | None]
+        self,
+        loader: DataLoader[Any],
+        sampler: DistributedSampler[Any],
+        skipping: _SkippingSampler,
+        start: Callable[[], tuple[int | None, int]],
     ) -> None:
         self.loader = loader
         self.sampler = sampler
-        self.trainer_epoch = trainer_epoch
+        self.skipping = skipping
+        self.start = start
         self.epoch = 0
 
     def __iter__(self) -> Iterator[Any]:
-        epoch = self.trainer_epoch()
+        epoch, skip = self.start()
         epoch = self.epoch if epoch is None else epoch
         self.sampler.set_epoch(epoch)
+        self.skipping.skip = skip * int(self.loader.batch_size or 1)
         self.epoch = epoch + 1
         return iter(self.loader)
 
@@ -169,6 +201,7 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         self.hybrid_cp = hybrid_cp
         self.pad_multiple = pad_multiple
         self.hparams["hybrid_cp"] = _describe(hybrid_cp)  # See [Note: data-only hyper-parameters].
+        self._resume: tuple[int, int, bool] | None = None  # See [Note: epochs and resume].
 
     @override
     def train_dataloader(self) -> HybridCPDataLoaderWrapper:  # type: ignore[override]
@@ -207,16 +240,45 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         sampler: DistributedSampler[Any] = DistributedSampler(
             docs, num_replicas=world // cp, rank=rank // cp, shuffle=True, seed=self.config.seed, drop_last=True
         )
+        skipping = _SkippingSampler(sampler)
         loader = DataLoader(
             docs,
             batch_size=self.config.batch_size,
-            sampler=sampler,
+            sampler=skipping,
             drop_last=True,
             collate_fn=_as_list,
             num_workers=self.config.num_workers,
         )
-        return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler, self._trainer_epoch), self.hybrid_cp)
+        return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler, skipping, self._epoch_start), self.hybrid_cp)
 
-    def _trainer_epoch(self) -> int | None:
+    def _epoch_start(self) -> tuple[int | None, int]:
+        """The epoch of the loader's next pass and the micro-batches of it already trained. See [Note: epochs and
+        resume]."""
         trainer = self.trainer
-        return None if trainer is None else int(trainer.current_epoch)
+        if trainer is None:
+            return None, 0
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            epoch, batches, done = resume
+            if done:
+                return epoch + 1, 0
+            if trainer.current_epoch == epoch:
+                return epoch, batches
+        return int(trainer.current_epoch), 0
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands in its epoch: see [Note: epochs and resume]."""
+        trainer = self.trainer
+        if trainer is None or not trainer.training:
+            return {}
+        current = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker (typed as its base)
+        batches = int(current.processed)  # type: ignore[attr-defined]
+        done = batches >= trainer.num_training_batches
+        return {"epoch": int(trainer.current_epoch), "batches": batches, "done": bool(done)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores `state_dict` output; applied when the training loader's next pass starts."""
+        if state_dict:
+            self._resume = (int(state_dict["epoch"]), int(state_dict["batches"]), bool(state_dict["done"]))
