@@ -493,3 +493,15 @@ def test_real_deepspeed_sampler_file_loads_weights_only(tmp_path: Path) -> None:
     s = _sampler(cfg, b=4, A=2)
     s.load_state_dict(state)
     assert s.consumed_samples == 23 * 4
+
+
+def test_a_gpt_config_in_hyper_parameters_loads_weights_only(tmp_path: Path) -> None:
+    """HybridCPGPTModule and the pipeline GPT keep a GPTConfig in their hyper-parameters; Lightning's own strategies
+    load checkpoints with ``weights_only=True``, which refused it (resume under ``strategy="ddp"`` needed the unsafe
+    opt-in). It is a data-only dataclass on the allow list; other classes stay refused."""
+    from zlightning.models.gpt_model import GPTConfig
+
+    path = tmp_path / "hp.ckpt"
+    torch.save({"hyper_parameters": {"config": GPTConfig(d_model=64, n_head=2)}}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["hyper_parameters"]["config"] == GPTConfig(d_model=64, n_head=2)

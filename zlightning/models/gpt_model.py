@@ -70,6 +70,13 @@ class GPTConfig:
         return self.d_model // self.n_head
 
 
+# A data-only frozen dataclass: rebuilding it sets fields and calls nothing a file chooses (see [Note: what loading
+# trusts] in zlightning/_safe_load.py). Modules that keep a GPTConfig in their hyper-parameters (HybridCPGPTModule,
+# the pipeline GPT) then resume under Lightning's own strategies, which load checkpoints weights-only, without the
+# unsafe-load opt-in.
+torch.serialization.add_safe_globals([GPTConfig])
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``F.scaled_dot_product_attention(is_causal=True)``."""
 
