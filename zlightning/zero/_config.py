@@ -181,7 +181,8 @@ class ZeroConfig:
     unit_modules: tuple[str, ...] = ()
     """Class names (``"Block"``) or qualified names (``"pkg.mod.Block"``) of modules that become sharding units.
     Empty: automatic (each module in a ``ModuleList``/``Sequential`` with at least one sibling of the same class,
-    else the parameter-holding children of the root)."""
+    plus the modules beside those blocks that hold more than half a block, such as an untied embedding and output
+    head; else the parameter-holding children of the root). See [Note: what the root unit keeps] in ``_unit.py``."""
 
     sync_module_states: bool = True
     """Broadcast parameters and buffers from rank 0 before sharding so every rank starts identical."""

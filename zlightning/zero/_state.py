@@ -488,7 +488,21 @@ class ZeroState:
             return
         if torch.is_grad_enabled() and not self.config.reshard_after_forward:
             return  # kept for backward: see ZeroConfig.reshard_after_forward
+        if (
+            torch.is_grad_enabled()
+            and self._last_order
+            and unit is self._last_order[-1]
+            and unit.reads_params_in_backward
+        ):
+            return  # see [Note: the last unit of the forward stays gathered]
         unit.reshard()
+
+    # [Note: the last unit of the forward stays gathered]
+    # The unit that ends the forward (an output head, the last block) is the first whose backward runs: releasing it
+    # after its forward only to gather it again once the loss is computed costs an all-gather of it every step and
+    # frees nothing at the step's peak. So, as torchtitan does for its last layer, it stays gathered into its
+    # backward. The last unit is the previous step's (the forward order is recorded per pass); a first step, or a
+    # forward that ends elsewhere, releases as usual.
 
     def unit_pre_backward(self, unit: ZeroUnit) -> None:
         if self._hooks_off():
@@ -496,7 +510,8 @@ class ZeroState:
         self._queue_finish()
         if self.offload is not None and unit in self._order:
             pos = self._order.index(unit)
-            self.offload.prefetch([g for u in reversed(self._order[: pos + 1]) for g in u.groups])
+            upcoming = [u for u in reversed(self._order[: pos + 1]) if u.reads_params_in_backward]
+            self.offload.prefetch([g for u in upcoming for g in u.groups])
         unit.unshard()  # also waits for a prefetch still in flight
         unit.install_for_backward(self._pass_id)  # see [Note: a unit's forward inside backward]
         if self.device.type == "cpu":  # see [Note: host reductions finish before the next unit computes]
@@ -504,7 +519,7 @@ class ZeroState:
                 self._drain_one()
         if self.config.overlap_comm and unit in self._order:
             pos = self._order.index(unit)
-            self._prefetch(list(reversed(self._order[:pos])))
+            self._prefetch([u for u in reversed(self._order[:pos]) if u.reads_params_in_backward])
 
     # [Note: host reductions finish before the next unit computes]
     # On a device, a unit's reduce-scatter stays in flight through the next unit's backward (one collective hides

@@ -54,6 +54,9 @@ class ZeroUnit:
         self.is_root = is_root
         self.groups: list[ZeroParamGroup] = []
         self._handles: list[Any] = []
+        self.reads_params_in_backward = is_root or not _only_lookups(module)
+        """False for a unit whose backward never reads its parameters (see [Note: lookups need no gather in
+        backward]): it is not gathered again for its backward."""
 
     @property
     def numel(self) -> int:
@@ -104,7 +107,7 @@ class ZeroUnit:
         self.hooks.unit_pre_forward(self)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.reads_params_in_backward:
             # Frozen units need their parameters back too: the input gradient reads them.
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
@@ -118,6 +121,23 @@ class ZeroUnit:
 
     def __repr__(self) -> str:
         return f"ZeroUnit({self.name}, numel={self.numel}, groups={len(self.groups)})"
+
+
+# [Note: lookups need no gather in backward]
+# An embedding's backward scatters the output gradient into rows by the saved indices; it never reads the weight.
+# Gathering such a unit again for its backward (an all-gather of what is often the model's largest unit) only
+# for its reduce-scatter to follow is wasted, so a unit made only of plain ``nn.Embedding`` lookups (their own
+# ``forward``, no ``max_norm``, which writes the weight) registers no pre-backward hook and is left out of the
+# backward prefetch. Its gradient still arrives through its autograd node, which packs and reduce-scatters it as
+# for any unit; a recomputed forward (activation checkpointing) gathers it as any forward does.
+
+
+def _only_lookups(module: nn.Module) -> bool:
+    """Whether every module in ``module``'s subtree that holds parameters is a plain ``nn.Embedding`` lookup."""
+    holders = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+    return bool(holders) and all(
+        isinstance(m, nn.Embedding) and type(m).forward is nn.Embedding.forward and m.max_norm is None for m in holders
+    )
 
 
 def _matches(names: tuple[str, ...]) -> UnitPolicy:
@@ -136,8 +156,9 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: hooks o
 
 
 def _auto_units(root: nn.Module) -> list[str]:
-    """Blocks (members of a ``ModuleList``, or of a ``Sequential`` with a same-class sibling), else the
-    parameter-holding children of the root (looking through single-child wrappers and containers)."""
+    """Blocks (members of a ``ModuleList``, or of a ``Sequential`` with a same-class sibling) plus the large
+    parameter-holding modules beside them (see [Note: what the root unit keeps]), else the parameter-holding children
+    of the root (looking through single-child wrappers and containers)."""
     picked: list[str] = []
     for name, module in root.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -149,7 +170,8 @@ def _auto_units(root: nn.Module) -> list[str]:
                     picked.append(f"{name}.{child_name}" if name else child_name)
     if picked:
         # Keep only outermost picks (a repeated block inside a repeated block stays inside its parent unit).
-        return [n for n in picked if not any(n.startswith(p + ".") for p in picked if p != n)]
+        blocks = [n for n in picked if not any(n.startswith(p + ".") for p in picked if p != n)]
+        return blocks + _large_leftovers(root, blocks)
     node, prefix = root, ""
     while True:
         holders = [(n, c) for n, c in node.named_children() if _holds_params(c)]
@@ -166,6 +188,66 @@ def _auto_units(root: nn.Module) -> list[str]:
             else:
                 out.append(f"{prefix}{n}")
         return out
+
+
+# [Note: what the root unit keeps]
+# Parameters that no unit claims belong to the root unit, which is gathered at its first use in a step and kept,
+# with autograd's full gradient of it, until the step's backward ends. Beside its repeated blocks a model usually
+# has an embedding and an output head that are no blocks, and in a language model with a large vocabulary those
+# are most of the parameters (Embedding(32000, 256) and its head against four 0.8 M-element blocks: 89% of them).
+# Kept in the root they cost their full parameters and full gradient for the whole step, which on such a model
+# brought the peak to DDP's (17.9 bytes per parameter at two ranks, DDP 22-24), where DeepSpeed gathers each
+# module only around its own use and torchtitan shards the embedding and the head apart from the blocks. So the
+# modules beside the blocks that are large become units too, largest first, until what the root keeps is at most
+# half the largest block: a small final norm or a bias stays in the root (a unit costs three collectives a step),
+# an embedding or a head of any real size gets gathered only around its own forward and backward. A parameter
+# shared between modules (a tied embedding and head) still belongs to the unit that contains all its users.
+
+
+def _large_leftovers(root: nn.Module, blocks: list[str]) -> list[str]:
+    """Subtrees beside ``blocks`` that hold many parameters of their own, as units (see [Note: what the root unit
+    keeps])."""
+    holders: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(p), []).append(mod_name)
+            sizes[id(p)] = p.numel()
+
+    def inside(name: str, prefix: str) -> bool:
+        return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+    def own_numel(prefix: str, beside_blocks: bool = True) -> int:
+        """Elements of the parameters held only under ``prefix`` (and in no block)."""
+        return sum(
+            sizes[pid]
+            for pid, names in holders.items()
+            if all(inside(n, prefix) for n in names)
+            and not (beside_blocks and any(inside(n, b) for n in names for b in blocks))
+        )
+
+    largest_block = max(own_numel(b, beside_blocks=False) for b in blocks)
+    candidates: list[tuple[int, str]] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if name in blocks:
+                continue
+            if isinstance(child, _CONTAINERS) or any(inside(b, name) for b in blocks):
+                visit(child, name)  # never called itself, or holds blocks: look at what is beside them
+            elif _holds_params(child):
+                candidates.append((own_numel(name), name))
+
+    visit(root, "")
+    kept = sum(n for n, _ in candidates)
+    chosen: list[str] = []
+    for numel, name in sorted(candidates, key=lambda c: -c[0]):
+        if kept <= largest_block // 2 or numel == 0:
+            break
+        chosen.append(name)
+        kept -= numel
+    return chosen
 
 
 def select_unit_modules(
