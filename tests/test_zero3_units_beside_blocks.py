@@ -270,3 +270,58 @@ def test_fit_resident_growth_of_an_untied_lm_is_the_shards_plus_two_of_its_large
         bound = 16 / world + 1 + 2 * 4 * r["largest_fraction"]
         assert max(r["peaks"]) <= bound, (r["peaks"], bound)
         assert r["peaks"][-1] <= r["peaks"][2] * 1.03, r["peaks"]
+
+
+class MatmulTiedLM(UntiedLM):
+    """Ties the output to the embedding by reading its weight in the parent's forward (a common pattern that
+    calls no head module), and scales the input by a block parameter read from outside that block."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx) * self.layers[0].ln.weight.mean()  # read before that block runs
+        for block in self.layers:
+            h = block(h)
+        return F.linear(self.norm(h), self.emb.weight)  # read after the embedding's own forward
+
+
+def _engine_train_direct_reads(rank: int, world: int, cfg: ZeroConfig, steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = MatmulTiedLM(n_layer=2)
+    zero = DeepSpeedZeroOptimizer_Stage3(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), config=cfg, gradient_clipping=0.5
+    )
+    losses = []
+    for batch in lm_batches(steps, global_batch=4 * world):
+        loss = lm_loss(model, batch.chunk(world)[rank])
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(float(full) / world)
+        zero.backward(loss)
+        zero.step()
+    with torch.no_grad():  # a no-grad pass reads them too (validation)
+        eval_loss = float(lm_loss(model, lm_batches(1, global_batch=world, seed=9)[0].chunk(world)[rank]))
+    after = model.emb.weight  # outside any pass: the shard piece, as for every sharded parameter
+    return {"state": zero.module_state_dict(), "losses": losses, "eval": eval_loss, "piece_shape": tuple(after.shape)}
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [ZeroConfig(param_persistence_threshold=0), ZeroConfig(param_persistence_threshold=0, overlap_comm=False)],
+    ids=["overlap", "sync"],
+)
+def test_parameters_read_outside_their_unit_are_gathered_for_the_reader(cfg: ZeroConfig) -> None:
+    world, steps = 2, 3
+    out = run_distributed(_engine_train_direct_reads, world, cfg, steps, timeout=240)
+    torch.manual_seed(0)
+    model = MatmulTiedLM(n_layer=2)
+    ref, ref_losses, _ = reference_train(
+        model, lm_batches(steps, global_batch=4 * world), accumulate=1, clip=0.5, loss_fn=lm_loss
+    )
+    with torch.no_grad():
+        ref_eval = float(lm_loss(ref, lm_batches(1, global_batch=world, seed=9)[0]))
+    for rank_out in out:
+        torch.testing.assert_close(rank_out["losses"], ref_losses, rtol=1e-5, atol=1e-6)
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(rank_out["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert len(rank_out["piece_shape"]) == 1
+    evals = [r["eval"] for r in out]
+    torch.testing.assert_close(sum(evals) / world, ref_eval, rtol=1e-5, atol=1e-6)

@@ -8,9 +8,10 @@ Shape suffixes in variable names: B = batch, T = sequence (time), D = d_model, H
 [Note: parameter access only inside submodule forwards]
 `GPT.forward` never reads a parameter (``.weight``) itself; it only calls submodules (``self.tok_emb(idx)``,
 ``self.head(x)``). A ZeRO-3 engine gathers a module's sharded parameters in that module's forward pre-hook and frees
-them after its forward, so a direct ``self.tok_emb.weight`` read in the parent would see an empty shard. The tied
-output head is therefore an ``nn.Linear`` whose ``weight`` *is* the embedding's parameter, rather than a matmul with
-``tok_emb.weight``.
+them after its forward; a direct ``self.tok_emb.weight`` read in the parent is gathered on demand and then held until
+the end of the step's backward (zlightning's engine does, see [Note: a parameter read outside its unit]; others
+give an empty shard). The tied output head is therefore an ``nn.Linear`` whose ``weight`` *is* the embedding's
+parameter, rather than a matmul with ``tok_emb.weight``.
 """
 
 from __future__ import annotations

@@ -67,7 +67,14 @@ from zlightning.zero._param_group import (
     persistent_indices,
     split_by_kind,
 )
-from zlightning.zero._unit import UnitPolicy, ZeroUnit, assign_owners, deepest_common_unit, select_unit_modules
+from zlightning.zero._unit import (
+    GatheringParameters,
+    UnitPolicy,
+    ZeroUnit,
+    assign_owners,
+    deepest_common_unit,
+    select_unit_modules,
+)
 
 if TYPE_CHECKING:
     from zlightning.zero._optimizer import ModelParallelGrads
@@ -155,6 +162,8 @@ class ZeroState:
         self.units: list[ZeroUnit] = []
         self.groups: list[ZeroParamGroup] = []
         self._by_piece: dict[int, ZeroParam] = {}
+        self._group_of: dict[int, ZeroParamGroup] = {}  # ZeroParam.index -> its group
+        self._read_outside: dict[int, ZeroParamGroup] = {}  # see [Note: a parameter read outside its unit]
         # pass and backward bookkeeping (see [Note: training states])
         self.training_state = TrainingState.IDLE
         self._pass_id = 0
@@ -226,6 +235,9 @@ class ZeroState:
         self.persistent_groups = [self._new_group(ps, persistent=True) for ps in split_by_kind(persistent)]
         for zp in self.params:  # the pieces go into the modules in _finish_init
             self._by_piece[id(zp.piece)] = zp
+        for group in self.groups:
+            for zp in group.params:
+                self._group_of[zp.index] = group
         self._used = torch.zeros(len(self.params), dtype=torch.float32)
         self.units = [u for u in self.units if u.groups or u.is_root]
         self._register_module_hooks()
@@ -233,6 +245,7 @@ class ZeroState:
     def _register_module_hooks(self) -> None:
         for unit in self.units:
             unit.register_hooks()
+        self._wrap_parameter_dicts()
         self._root_handles = [
             self.root.register_forward_pre_hook(lambda m, a: self.begin_pass(), prepend=True),
             self.root.register_forward_hook(lambda m, a, o: self.end_pass(), always_call=True),
@@ -299,6 +312,49 @@ class ZeroState:
         self.groups.append(group)
         return group
 
+    def _unit_param_modules(self) -> list[nn.Module]:
+        seen: dict[int, nn.Module] = {}
+        for unit in self.units[1:]:
+            for group in unit.groups:
+                for zp in group.params:
+                    for module, _ in zp.slots:
+                        seen[id(module)] = module
+        return list(seen.values())
+
+    def _wrap_parameter_dicts(self) -> None:
+        """See [Note: a parameter read outside its unit]."""
+        for module in self._unit_param_modules():
+            if not isinstance(module._parameters, GatheringParameters):
+                module._parameters = GatheringParameters(module._parameters, self._read_outside_unit)
+
+    def plain_parameter_dicts(self) -> None:
+        """Gives every module a plain ``_parameters`` dict again (for compilers: a traced graph must not call the
+        engine); a parameter read outside its unit's forward then sees the shard piece."""
+        for module in self._unit_param_modules():
+            if isinstance(module._parameters, GatheringParameters):
+                module._parameters = dict(module._parameters)
+
+    def _read_outside_unit(self, value: Any) -> bool:
+        """A module slot is being read: when it holds a shard piece during a pass, gathers and installs its group
+        for the reader and returns True (see [Note: a parameter read outside its unit])."""
+        zp = self._by_piece.get(id(value))
+        if zp is None or not self._pass_open():
+            return False
+        group = self._group_of[zp.index]
+        if group.persistent or self._is_root_group(group):
+            return False
+        if group.stale and group.status is not GroupState.SHARDED:
+            group.reshard()
+        group.unshard()
+        group.install(self._pass_id, recompute=self.training_state is TrainingState.BACKWARD)
+        self._read_outside[id(group)] = group
+        return True
+
+    def _reshard_unit(self, unit: ZeroUnit) -> None:
+        for group in unit.groups:
+            if id(group) not in self._read_outside:
+                group.reshard()
+
     # ================================================================ module hooks (public, for compilers)
     def engine_hook_ids(self) -> set[int]:
         """Ids (``handle.id``) of the forward pre/post hooks this engine registered on modules: the root's pass
@@ -349,6 +405,7 @@ class ZeroState:
         self.release_all(keep_persistent=False)
         for unit in self.units:
             unit.remove_hooks()
+        self.plain_parameter_dicts()
         for h in self._root_handles:
             h.remove()
         self._root_handles = []
@@ -495,7 +552,7 @@ class ZeroState:
             and unit.reads_params_in_backward
         ):
             return  # see [Note: the last unit of the forward stays gathered]
-        unit.reshard()
+        self._reshard_unit(unit)
 
     # [Note: the last unit of the forward stays gathered]
     # The unit that ends the forward (an output head, the last block) is the first whose backward runs: releasing it
@@ -590,7 +647,12 @@ class ZeroState:
             if g is not None:
                 self._used[zp.index] = 1.0
         group.pending_backward = max(group.pending_backward - 1, 0)
-        if group.pending_backward == 0 and not group.persistent and not self._is_root_group(group):
+        if (
+            group.pending_backward == 0
+            and not group.persistent
+            and not self._is_root_group(group)
+            and id(group) not in self._read_outside
+        ):
             group.reshard()  # before packing: the packed gradient can take the gathered buffer's pool slot
         if self.gradient_sync:  # see [Note: room for a gradient before packing it]
             while self._pending and (self._pending_numel + group.shard_numel) * self.world_size > self.reduce_budget:
@@ -708,6 +770,7 @@ class ZeroState:
 
     def release_all(self, keep_persistent: bool) -> None:
         """Reshards every group (persistent ones only leave the module slots unless ``keep_persistent`` is False)."""
+        self._read_outside.clear()
         for group in self.groups:
             if group.persistent and keep_persistent:
                 group.wait_gather()
@@ -719,6 +782,7 @@ class ZeroState:
         """Gathered copies are out of date once the shards change."""
         if self._pending:
             raise RuntimeError("optimizer.step() ran while gradient reduce-scatters were still in flight")
+        self._read_outside.clear()
         for group in self.groups:
             if group.persistent:
                 group.wait_gather()
@@ -760,6 +824,7 @@ class ZeroState:
         self.close_offload()
         for unit in self.units:
             unit.remove_hooks()
+        self.plain_parameter_dicts()
         for h in self._root_handles + self.optimizer_hooks:
             h.remove()
         self._root_handles.clear()

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from zlightning.zero._param_group import GroupState, ZeroParamGroup
 
 __all__ = [
+    "GatheringParameters",
     "ParamOwners",
     "UnitHooks",
     "UnitPolicy",
@@ -280,6 +281,39 @@ def select_unit_modules(
             "parameters would never be gathered: choose the modules inside them (e.g. the block class) instead"
         )
     return chosen
+
+
+# [Note: a parameter read outside its unit]
+# A unit's parameters are gathered around the unit's own forward and backward; between those the module slots hold
+# the shard pieces. Code that reads a parameter from outside its module's forward (an output tied to the embedding
+# by ``F.linear(h, self.emb.weight)``, a block's parameter used by its parent) then got a 1-D piece: a shape error
+# at best. DeepSpeed gathers such a parameter on demand when it is read during a forward, and so does this engine:
+# the ``_parameters`` dict of every module holding unit parameters is a `GatheringParameters`, whose item lookup (the
+# one ``nn.Module.__getattr__`` makes) asks the engine, during a pass, to gather the group of a piece being read. The
+# group is installed for the pass (the same autograd node as the unit's own use when that use still holds it, else a
+# second node, whose backward reduce-scatters its own gradient: the shard gets the sum either way) and stays
+# gathered until the end of the backward (or of a no-grad pass), as the root unit's parameters do, because the
+# reader's backward can come at any time. Outside a pass (between steps) a read still gives the piece, as for every
+# sharded parameter. Iterating the dict (``parameters()``, ``state_dict()``, the optimizer) never gathers. Compiled
+# models get plain dicts back (`ZeroState.plain_parameter_dicts`): a compiled graph must not trace the engine.
+
+
+class GatheringParameters(dict):  # type: ignore[type-arg]
+    """A module's ``_parameters`` under ZeRO-3: reading a sharded piece during a pass gathers its group first (see
+    [Note: a parameter read outside its unit])."""
+
+    def __init__(self, items: dict[str, Any], reader: Callable[[Any], bool]) -> None:
+        super().__init__(items)
+        self.reader = reader
+
+    def __getitem__(self, name: str) -> Any:
+        value = dict.__getitem__(self, name)
+        if value is not None and self.reader(value):
+            return dict.__getitem__(self, name)  # the gathered full tensor, installed by the reader
+        return value
+
+    def __reduce__(self) -> Any:  # a copied or pickled module gets a plain dict
+        return (dict, (dict(self),))
 
 
 ParamOwners = dict[int, list[tuple[str, nn.Module, str, list[ZeroUnit]]]]
