@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from tests._zero_models import reference_train
 from zlightning.testing import run_distributed
-from zlightning.zero import DeepSpeedZeroOptimizer_Stage3, ZeroConfig
+from zlightning.zero import CPUOffload, DeepSpeedZeroOptimizer_Stage3, NVMeOffload, ZeroConfig
 from zlightning.zero._unit import select_unit_modules
 
 
@@ -148,8 +148,14 @@ def _engine_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, steps
 
 @pytest.mark.parametrize(
     "cfg",
-    [ZeroConfig(), ZeroConfig(param_persistence_threshold=0, overlap_comm=False), ZeroConfig(prefetch_bucket_size=0)],
-    ids=["default", "sync-no-persist", "no-prefetch"],
+    [
+        ZeroConfig(),
+        ZeroConfig(param_persistence_threshold=0, overlap_comm=False),
+        ZeroConfig(prefetch_bucket_size=0),
+        ZeroConfig(offload_optimizer=CPUOffload()),
+        ZeroConfig(offload_optimizer=NVMeOffload(), offload_params=NVMeOffload()),
+    ],
+    ids=["default", "sync-no-persist", "no-prefetch", "cpu-offload", "nvme"],
 )
 def test_untied_lm_matches_one_process_and_gathers_each_large_unit_only_around_its_use(cfg: ZeroConfig) -> None:
     world, accumulate, steps = 2, 2, 3
@@ -305,8 +311,12 @@ def _engine_train_direct_reads(rank: int, world: int, cfg: ZeroConfig, steps: in
 
 @pytest.mark.parametrize(
     "cfg",
-    [ZeroConfig(param_persistence_threshold=0), ZeroConfig(param_persistence_threshold=0, overlap_comm=False)],
-    ids=["overlap", "sync"],
+    [
+        ZeroConfig(param_persistence_threshold=0),
+        ZeroConfig(param_persistence_threshold=0, overlap_comm=False),
+        ZeroConfig(offload_optimizer=NVMeOffload(), offload_params=NVMeOffload()),
+    ],
+    ids=["overlap", "sync", "nvme"],
 )
 def test_parameters_read_outside_their_unit_are_gathered_for_the_reader(cfg: ZeroConfig) -> None:
     world, steps = 2, 3
