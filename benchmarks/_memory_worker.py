@@ -44,6 +44,56 @@ def build_blocks(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
 
 
+class LMBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class LanguageModel(nn.Module):
+    """``--model lm``: embedding, ``depth`` MLP blocks, final norm and an untied head (most parameters are the
+    embedding and the head when the vocabulary is large)."""
+
+    def __init__(self, vocab: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(LMBlock(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    if args.model == "lm":
+        return LanguageModel(args.vocab, args.width, args.depth)
+    return build_blocks(args.width, args.depth)
+
+
+def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    if batch.dtype == torch.long:  # token ids: next-token cross-entropy
+        logits = model(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    return model(batch).pow(2).mean()
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 wraps before the root: every block, and for the language model also the embedding and
+    the head (as torchtitan does)."""
+    if isinstance(model, LanguageModel):
+        return [model.emb, *model.layers, model.head]
+    return list(model)
+
+
 class Recorder:
     """Peak growth and wall time per step (see [Note: what "peak resident growth" is])."""
 
@@ -66,6 +116,8 @@ class Recorder:
 
 def batches(args: argparse.Namespace, rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + rank)
+    if args.model == "lm":
+        return [torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g) for _ in range(args.steps)]
     return [torch.randn(args.micro_batch, args.width, generator=g) for _ in range(args.steps)]
 
 
@@ -85,10 +137,10 @@ def run_lightning(args: argparse.Namespace, rec: Recorder) -> None:
 
         def configure_model(self) -> None:
             if self.net is None:
-                self.net = build_blocks(args.width, args.depth)
+                self.net = build_model(args)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            return self.net(batch).pow(2).mean()
+            return loss_of(self.net, batch)
 
         def on_train_batch_start(self, *a: Any) -> None:
             rec.step_begin()
@@ -131,18 +183,18 @@ def run_fsdp2(args: argparse.Namespace, rec: Recorder) -> None:
     dist.init_process_group("gloo")
     rec.start()
     with torch.device("meta"):
-        model = build_blocks(args.width, args.depth)
-    for block in model:
+        model = build_model(args)
+    for block in shard_units(model):
         fully_shard(block)
     fully_shard(model)
     model.to_empty(device="cpu")
     for m in model.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)):
             m.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for x in batches(args, dist.get_rank()):
         rec.step_begin()
-        model(x).pow(2).mean().backward()
+        loss_of(model, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         rec.step_end()
@@ -167,13 +219,13 @@ def run_deepspeed(args: argparse.Namespace, rec: Recorder) -> None:
         "wall_clock_breakdown": False,
     }
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = build_blocks(args.width, args.depth)
+        model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     torch.set_num_threads(args.threads)
     for x in batches(args, dist.get_rank()):
         rec.step_begin()
-        engine.backward(engine(x).pow(2).mean())
+        engine.backward(loss_of(engine, x))
         engine.step()
         rec.step_end()
     dist.destroy_process_group()
@@ -182,6 +234,9 @@ def run_deepspeed(args: argparse.Namespace, rec: Recorder) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", required=True)
+    p.add_argument("--model", choices=("mlp", "lm"), default="mlp")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=32)
     p.add_argument("--width", type=int, required=True)
     p.add_argument("--depth", type=int, required=True)
     p.add_argument("--micro-batch", type=int, required=True)

@@ -10,7 +10,13 @@ processes (``_memory_worker.py``); how growth is measured: [Note: what "peak res
 for sharded fp32 parameters, gradients and Adam's two moments is 16 / N bytes per parameter (8 on 2 ranks); DDP
 holds 16 plus its gradient buckets.
 
-Writes ``benchmarks/results/memory.json`` and ``memory.md`` (the table, also printed).
+``--model lm`` trains a language model instead: ``Embedding(vocab, width)``, ``depth`` MLP blocks (LayerNorm,
+``Linear(w, 4w)``, GELU, ``Linear(4w, w)``), a final norm and an untied head (default 32000 x 256 with 8 blocks:
+20.6 M parameters, 80% of them in the embedding and the head), next-token cross-entropy on random tokens. FSDP2
+wraps the embedding and the head as well as the blocks (torchtitan's recipe); zstack_zero3 chooses its units itself.
+
+Writes ``benchmarks/results/memory.json`` and ``memory.md`` (``memory_lm.*`` for ``--model lm``; the table, also
+printed).
 """
 
 from __future__ import annotations
@@ -66,6 +72,12 @@ def run_variant(variant: str, args: argparse.Namespace, scratch: Path) -> dict[s
             str(BENCH / "_memory_worker.py"),
             "--variant",
             variant,
+            "--model",
+            args.model,
+            "--vocab",
+            str(args.vocab),
+            "--seq",
+            str(args.seq),
             "--width",
             str(args.width),
             "--depth",
@@ -106,14 +118,35 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=24)
+    p.add_argument(
+        "--model",
+        choices=("mlp", "lm"),
+        default="mlp",
+        help="mlp: depth x (Linear(width) + Tanh); lm: embedding, depth MLP blocks, untied head (writes memory_lm.*)",
+    )
+    p.add_argument("--vocab", type=int, default=32000, help="--model lm: vocabulary")
+    p.add_argument("--seq", type=int, default=32, help="--model lm: tokens per sample")
+    p.add_argument("--width", type=int, default=None, help="default 1024 (mlp) / 256 (lm)")
+    p.add_argument("--depth", type=int, default=None, help="default 24 (mlp) / 8 (lm)")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out-dir", type=Path, default=BENCH / "results")
     args = p.parse_args()
-    numel = args.depth * (args.width * args.width + args.width)
+    lm = args.model == "lm"
+    args.width = args.width or (256 if lm else 1024)
+    args.depth = args.depth or (8 if lm else 24)
+    if lm:  # embedding + head + blocks (LayerNorm, Linear(w, 4w), Linear(4w, w)) + final LayerNorm
+        w = args.width
+        numel = 2 * args.vocab * w + args.depth * (2 * w + 8 * w * w + 5 * w) + 2 * w
+        model_text = (
+            f"Embedding({args.vocab}, {w}), {args.depth} MLP blocks and an untied head ({numel / 1e6:.1f} M "
+            f"parameters, {2 * args.vocab * w / numel:.0%} in the embedding and head), {args.seq} tokens"
+        )
+    else:
+        numel = args.depth * (args.width * args.width + args.width)
+        model_text = f"{args.depth} x Linear({args.width}) + Tanh ({numel / 1e6:.1f} M parameters)"
+    stem = "memory_lm" if lm else "memory"
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="zl-memory-") as tmp:
         for variant in args.variants:
@@ -124,9 +157,8 @@ def main() -> int:
     marks = sorted({1, min(3, args.steps), args.steps})
     ddp_time = rows.get("ddp", {}).get("median_step_s")
     lines = [
-        f"Peak resident growth per parameter (bytes; max over ranks) and median step time; {args.depth} x "
-        f"Linear({args.width}) + Tanh ({numel / 1e6:.1f} M parameters), AdamW fp32, micro-batch {args.micro_batch}, "
-        f"{args.world} CPU ranks. Ideal sharded: {16 / args.world:g} B/param.",
+        f"Peak resident growth per parameter (bytes; max over ranks) and median step time; {model_text}, AdamW "
+        f"fp32, micro-batch {args.micro_batch}, {args.world} CPU ranks. Ideal sharded: {16 / args.world:g} B/param.",
         "",
         "| variant | " + " | ".join(f"step {k}" for k in marks) + " | step time (s) | x DDP |",
         "|---|" + "---:|" * (len(marks) + 2),
@@ -153,11 +185,11 @@ def main() -> int:
         "numel": numel,
         "results": rows,
     }
-    (args.out_dir / "memory.json").write_text(json.dumps(record, indent=2, default=str))
-    (args.out_dir / "memory.md").write_text(table + "\n")
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2, default=str))
+    (args.out_dir / f"{stem}.md").write_text(table + "\n")
     from _plots import write_png  # matplotlib is optional: without it, one line says no chart was drawn
 
-    write_png("memory", record, args.out_dir / "memory.png")
+    write_png("memory", record, args.out_dir / f"{stem}.png")
     return 0
 
 
