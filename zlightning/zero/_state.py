@@ -554,6 +554,14 @@ class ZeroState:
             return  # see [Note: the last unit of the forward stays gathered]
         self._reshard_unit(unit)
 
+    def unit_keep_for_backward(self, unit: ZeroUnit) -> None:
+        """See [Note: an output autograd cannot be seen in] in _unit.py: gathered until the backward ends."""
+        if self._hooks_off() or self.training_state is TrainingState.BACKWARD:
+            return  # a recomputation (see [Note: a unit's forward inside backward]), stopped early by torch
+        unit.warn_kept()
+        for group in unit.groups:
+            self._read_outside[id(group)] = group
+
     # [Note: the last unit of the forward stays gathered]
     # The unit that ends the forward (an output head, the last block) is the first whose backward runs: releasing it
     # after its forward only to gather it again once the loss is computed costs an all-gather of it every step and

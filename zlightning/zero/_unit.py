@@ -10,6 +10,8 @@ ends (or at the end of a no-grad pass), because they typically frame the whole f
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -42,6 +44,8 @@ class UnitHooks(Protocol):
     def unit_post_forward(self, unit: ZeroUnit) -> None: ...
 
     def unit_pre_backward(self, unit: ZeroUnit) -> None: ...
+
+    def unit_keep_for_backward(self, unit: ZeroUnit) -> None: ...
 
 
 class ZeroUnit:
@@ -110,11 +114,26 @@ class ZeroUnit:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.is_grad_enabled() and self.reads_params_in_backward:
             # Frozen units need their parameters back too: the input gradient reads them.
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward_hook)
+            if not tensors and self._may_be_backpropagated(args):  # see [Note: an output autograd cannot be seen in]
+                self.hooks.unit_keep_for_backward(self)
         self.hooks.unit_post_forward(self)
         return output
+
+    def _may_be_backpropagated(self, args: Any) -> bool:
+        inputs = [t for t in _tensors_in(args) if t.requires_grad]
+        return bool(inputs) or any(g.requires_grad for g in self.groups)
+
+    def warn_kept(self) -> None:
+        warnings.warn(
+            f"ZeRO-3 unit {self.name!r} ({type(self.module).__name__}) returned no tensor that requires grad where "
+            "the engine can find it (it looks in tensors, lists, tuples, dicts and dataclasses), so it cannot tell "
+            "when its backward starts: the unit stays gathered until the end of the backward. Return its outputs "
+            "in one of those containers to release it after its forward.",
+            stacklevel=2,
+        )
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.hooks.unit_pre_backward(self)
@@ -122,6 +141,30 @@ class ZeroUnit:
 
     def __repr__(self) -> str:
         return f"ZeroUnit({self.name}, numel={self.numel}, groups={len(self.groups)})"
+
+
+# [Note: an output autograd cannot be seen in]
+# A unit is gathered again for its backward by a hook on the tensors it returns. Outputs are searched with pytree
+# (tensors, lists, tuples, dicts, named tuples, registered types such as Hugging Face's ModelOutput) and inside
+# dataclass instances, which user code returns as often. When no tensor that requires grad is found although the
+# unit's parameters or inputs require grad (an object pytree does not know, a result kept on ``self`` and read by
+# the parent), the unit's backward may still come, reading parameters a release after the forward would have freed
+# (it failed with "setStorage: ... out of bounds for storage of size 0"). Such a unit is kept gathered until the
+# end of the backward instead, as a parameter read outside its unit is (correct, at the memory of the unit), and a
+# warning says how to let it be released. A forward recomputed during backward is not kept: torch's checkpointing
+# stops a recomputation as soon as it has what the backward needs, so its hook sees no output at all, and the unit's
+# own backward releases it (see [Note: a unit's forward inside backward] in _state.py).
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, looking through pytree containers and dataclass instances."""
+    found: list[torch.Tensor] = []
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found
 
 
 # [Note: lookups need no gather in backward]
