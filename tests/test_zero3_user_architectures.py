@@ -7,12 +7,17 @@ losses and every parameter with one process on the same global batches (fp32, rt
   tensor to hook for the block's backward, released the block after its forward, and the backward read freed
   parameters ("setStorage: ... out of bounds for storage of size 0"). See [Note: an output autograd cannot be seen
   in] in ``zlightning/zero/_unit.py``.
+* an ``nn.Embedding(sparse=True)`` (a recommender's or word2vec's table, trained with SGD): its sparse gradient
+  failed to pack for the reduce-scatter ("reshape is not implemented for sparse tensors"). See [Note: sparse
+  gradients] in ``zlightning/zero/_param_group.py``. One process cannot clip sparse gradients or decay weights into
+  them, so this one trains without either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -67,32 +72,64 @@ class DataclassBlocksNet(nn.Module):
         return self.head(x)
 
 
-MODELS = {"dataclass_blocks": DataclassBlocksNet}
+class SparseEmbeddingNet(nn.Module):
+    """A bag-of-ids classifier over a sparse embedding table (the rows looked up get a gradient)."""
+
+    def __init__(self, vocab: int = 500, d: int = 16, n_layer: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, sparse=True)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(n_layer))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx).mean(1)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
 
 
-def make_batches(n: int, global_batch: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    build: Callable[[], nn.Module]
+    inputs: str  # "features": (B, 48) floats; "ids": (B, 10) integers
+    weight_decay: float = 0.1
+    clip: float | None = CLIP
+
+
+SPECS = {
+    "dataclass_blocks": Spec(DataclassBlocksNet, "features"),
+    "sparse_embedding": Spec(SparseEmbeddingNet, "ids", weight_decay=0.0, clip=None),
+}
+
+
+def make_batches(name: str, n: int, global_batch: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(global_batch, 48, generator=g), torch.randint(0, 10, (global_batch,), generator=g))
-        for _ in range(n)
-    ]
+    out = []
+    for _ in range(n):
+        if SPECS[name].inputs == "ids":
+            x = torch.randint(0, 500, (global_batch, 10), generator=g)
+        else:
+            x = torch.randn(global_batch, 48, generator=g)
+        out.append((x, torch.randint(0, 10, (global_batch,), generator=g)))
+    return out
 
 
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return MODELS[name]()
+    return SPECS[name].build()
 
 
-def sgd(params: Any) -> torch.optim.Optimizer:
+def sgd(name: str, params: Any) -> torch.optim.Optimizer:
     # SGD with momentum and weight decay: AdamW would amplify rounding noise on parameters whose gradient is zero
     # in exact arithmetic (an attention key bias), and weight decay still tells a zero gradient from none.
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=SPECS[name].weight_decay)
 
 
 # ---------------------------------------------------------------- through Lightning
 class ClassifierModule(pl.LightningModule):
     def __init__(self, name: str) -> None:
         super().__init__()
+        self.name = name
         self.net = build(name)
         self.losses: list[float] = []
 
@@ -106,7 +143,7 @@ class ClassifierModule(pl.LightningModule):
         return self.net(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return sgd(self.parameters())
+        return sgd(self.name, self.parameters())
 
 
 def _fit(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
@@ -116,7 +153,7 @@ def _fit(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
     from zlightning.zero import ZeroConfig, full_state_dict
 
     torch.set_num_threads(1)
-    data = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in make_batches(MICRO_BATCHES, 2 * world)]
+    data = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in make_batches(name, MICRO_BATCHES, 2 * world)]
     pl.seed_everything(0, verbose=False)
     module = ClassifierModule(name)
     trainer = pl.Trainer(
@@ -125,7 +162,7 @@ def _fit(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
         devices=world,
         max_epochs=2,
         accumulate_grad_batches=ACCUMULATE,
-        gradient_clip_val=CLIP,
+        gradient_clip_val=SPECS[name].clip,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -150,16 +187,18 @@ def _fit(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
 def reference(name: str) -> tuple[nn.Module, list[float], list[torch.Tensor]]:
     """One process on the global batches, two epochs as the fit runs; each rank's predictions after training."""
     model = build(name)
-    opt = sgd(model.parameters())
+    opt = sgd(name, model.parameters())
     losses = []
-    data = make_batches(MICRO_BATCHES, 2 * WORLD)
+    data = make_batches(name, MICRO_BATCHES, 2 * WORLD)
+    clip = SPECS[name].clip
     for _ in range(2):
         for i, (x, y) in enumerate(data):
             loss = F.cross_entropy(model(x), y)
             losses.append(float(loss.detach()))
             (loss / ACCUMULATE).backward()
             if (i + 1) % ACCUMULATE == 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 opt.zero_grad()
     with torch.no_grad():
@@ -181,3 +220,8 @@ def test_blocks_returning_a_dataclass_or_an_opaque_object_train_as_one_process(t
     assert_matches_one_process("dataclass_blocks", out)
     # the dataclass blocks are released after their forward; the opaque one is kept, and the user is told
     assert out[0]["kept_warnings"] == ["net.blocks.2"], out[0]["kept_warnings"]
+
+
+def test_a_sparse_embedding_trains_with_sgd_as_one_process(tmp_path: Any) -> None:
+    out = run_distributed(_fit, WORLD, "sparse_embedding", str(tmp_path), init_process_group=False, timeout=300)
+    assert_matches_one_process("sparse_embedding", out)

@@ -406,6 +406,11 @@ class ZeroParamGroup:
             self._installed = False
 
     # ---------------------------------------------------------------- gradients
+    # [Note: sparse gradients]
+    # ``nn.Embedding(sparse=True)`` gives its weight a sparse COO gradient (the rows looked up). Gradients are
+    # reduce-scattered as one dense flat buffer per group, so the sparse gradient is added into its zeroed slot
+    # (no dense temporary) and the shard gets a dense gradient: SGD (and Adagrad) step as in one process; a
+    # sparse-only optimizer (``SparseAdam``) refuses dense gradients, as it says.
     def pack_gradients(self, grads: tuple[torch.Tensor | None, ...], reduce_dtype: torch.dtype) -> FlatGradient:
         """Full gradients -> one flat [W*S] pool buffer in ``reduce_dtype`` (zeros for missing gradients and
         padding)."""
@@ -415,6 +420,9 @@ class ZeroParamGroup:
             dst = out[p.offset : p.offset + p.numel]
             if g is None:
                 dst.zero_()
+            elif g.layout is torch.sparse_coo:  # see [Note: sparse gradients]
+                dst.zero_()
+                dst.view(g.shape).add_(g)
             else:
                 dst.copy_(g.reshape(-1))
         out[self.numel :].zero_()
