@@ -104,9 +104,16 @@ def _count_gathers(counter: dict[str, int]) -> None:
 
     original = _param_group.ZeroParamGroup.start_gather
 
+    large: list[Any] = []  # groups of the embedding's size (the embedding and the head)
+
     def counting(self: Any, async_op: bool) -> None:
         if self.status is _param_group.GroupState.SHARDED and not self.persistent:
             counter["gathers"] += 1
+            if self.numel >= 512 * 16:
+                if self not in large:
+                    large.append(self)
+                others = [g for g in large if g is not self and g.status is not _param_group.GroupState.SHARDED]
+                counter["large_together"] = max(counter.get("large_together", 0), len(others))
         original(self, async_op)
 
     _param_group.ZeroParamGroup.start_gather = counting  # type: ignore[method-assign]
@@ -143,6 +150,7 @@ def _engine_train(rank: int, world: int, cfg: ZeroConfig, accumulate: int, steps
         "units": units,
         "gathers": gathers,
         "root": root_groups,
+        "large_together": counter.get("large_together", 0),
     }
 
 
@@ -176,6 +184,9 @@ def test_untied_lm_matches_one_process_and_gathers_each_large_unit_only_around_i
     # embedding's backward reads no weight). The first micro-batch does not know its last unit yet: head once more.
     assert out[0]["gathers"][0] == root + (blocks + 2) + blocks + 1, out[0]["gathers"]
     assert all(g == root + (blocks + 2) + blocks for g in out[0]["gathers"][1:]), out[0]["gathers"]
+    # The head is prefetched once the embedding is released, not beside it: a prefetch never goes past its budget
+    # (the largest unit) when a unit is already ahead ([Note: prefetch within its budget] in _state.py).
+    assert out[0]["large_together"] == 0
 
 
 class LMModule(pl.LightningModule):
@@ -191,7 +202,7 @@ class LMModule(pl.LightningModule):
         if self.net is None:
             self.net = UntiedLM(self.vocab, self.d, self.n_layer)
 
-    def on_train_start(self) -> None:
+    def setup(self, stage: str) -> None:  # before the model exists: its shards count too
         Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here
         self.baseline = _status("VmRSS")
         self.file_baseline = _status("RssFile")
@@ -269,16 +280,17 @@ def test_fit_trains_an_untied_lm_as_one_process_does(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fit_resident_growth_of_an_untied_lm_is_the_shards_plus_two_of_its_largest_unit(tmp_path: Path) -> None:
+def test_fit_resident_growth_of_an_untied_lm_is_the_shards_plus_a_few_of_its_largest_unit(tmp_path: Path) -> None:
     """Below two copies of the largest unit (gathered, and autograd's whole gradient of it) no ZeRO-3 step can go;
-    kept in the root, the embedding and head cost their full parameters and gradients for the whole step (about
-    16 bytes per parameter here against a bound of 12.2)."""
+    the bound allows four (the logits' activations and gradients and the reduce-scatter's scratch come on top).
+    Kept in the root, the embedding and head cost their full parameters and gradients for the whole step (19.6
+    bytes per parameter here against a bound of 15.4)."""
     world = 2
     out = run_distributed(
         _fit, world, 32000, 256, 8, 6, str(tmp_path), init_process_group=False, timeout=600, start_method="spawn"
     )
     for r in out:
-        bound = 16 / world + 1 + 2 * 4 * r["largest_fraction"]
+        bound = 16 / world + 1 + 4 * 4 * r["largest_fraction"]
         assert max(r["peaks"]) <= bound, (r["peaks"], bound)
         assert r["peaks"][-1] <= r["peaks"][2] * 1.03, r["peaks"]
 

@@ -603,12 +603,16 @@ class ZeroState:
         live = sum(
             g.world * g.shard_numel for g in self.groups if not g.persistent and g.status is not GroupState.SHARDED
         )
+        ahead = 0  # units gathered or in flight in the window (see [Note: prefetch within its budget])
         for unit in upcoming:
             if budget <= 0:
                 return
             if unit.is_gathered_or_inflight():  # already inside the look-ahead window: it uses up budget too,
                 budget -= unit.numel  # else every call would reach further ahead and gather without bound
+                ahead += 1
                 continue
+            if ahead and unit.numel > budget:
+                return
             if live + unit.numel > self.config.max_live_parameters:
                 return
             if self._gather_would_wait_on_disk(unit):
@@ -616,6 +620,16 @@ class ZeroState:
             unit.start_gather()
             budget -= unit.numel
             live += unit.numel
+            ahead += 1
+
+    # [Note: prefetch within its budget]
+    # The prefetch budget is the largest unit's size. A unit larger than what is left of it used to be gathered
+    # anyway, so with units of very different sizes the window overshot: at the embedding's forward, the small
+    # blocks fitted and then the output head (as large as the embedding) was gathered too, beside the embedding,
+    # and the engine's pool kept two buffers of that size for good (1.6 of 14.0 bytes per parameter on the
+    # language model of ``benchmarks/memory.py --model lm``). Now a unit that does not fit what is left waits until
+    # the window has room, unless nothing is ahead at all (then it is gathered, so prefetch always runs one unit
+    # ahead); with units of one size nothing changes.
 
     # [Note: a gather prefetch never waits for the disk]
     # With parameter shards on NVMe, prefetching a unit's gather needs its shard, whose read may still be in flight
