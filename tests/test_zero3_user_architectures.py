@@ -7,6 +7,9 @@ losses and every parameter with one process on the same global batches (fp32, rt
   tensor to hook for the block's backward, released the block after its forward, and the backward read freed
   parameters ("setStorage: ... out of bounds for storage of size 0"). See [Note: an output autograd cannot be seen
   in] in ``zlightning/zero/_unit.py``.
+* a block keeping a result on itself for the model to use (deep supervision: each block's exit classifier keeps
+  its logits as ``self.exit_logits``), computed after the block's output: its backward came first and read the
+  block's released parameters (the same "setStorage" failure). See [Note: results kept on a module] in ``zlightning/zero/_unit.py``.
 * an ``nn.Embedding(sparse=True)`` (a recommender's or word2vec's table, trained with SGD): its sparse gradient
   failed to pack for the reduce-scatter ("reshape is not implemented for sparse tensors"). See [Note: sparse
   gradients] in ``zlightning/zero/_param_group.py``. One process cannot clip sparse gradients or decay weights into
@@ -88,6 +91,35 @@ class SparseEmbeddingNet(nn.Module):
         return self.head(h)
 
 
+class EarlyExitBlock(nn.Module):
+    """A block with its own exit classifier (deep supervision), whose logits it keeps for the model to use."""
+
+    def __init__(self, d: int = 48) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.exit = nn.Linear(d, 10)
+        self.exit_logits = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + torch.tanh(self.fc(self.ln(x)))
+        self.exit_logits = self.exit(out)  # after the output: its backward runs before the output's
+        return out
+
+
+class EarlyExitNet(nn.Module):
+    def __init__(self, d: int = 48, n_layer: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(EarlyExitBlock(d) for _ in range(n_layer))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        exits = torch.stack([block.exit_logits for block in self.blocks]).mean(0)
+        return self.head(x) + 0.5 * exits  # (the loss function sees the exits through the logits)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     build: Callable[[], nn.Module]
@@ -98,6 +130,7 @@ class Spec:
 
 SPECS = {
     "dataclass_blocks": Spec(DataclassBlocksNet, "features"),
+    "kept_exit_logits": Spec(EarlyExitNet, "features"),
     "sparse_embedding": Spec(SparseEmbeddingNet, "ids", weight_decay=0.0, clip=None),
 }
 
@@ -220,6 +253,12 @@ def test_blocks_returning_a_dataclass_or_an_opaque_object_train_as_one_process(t
     assert_matches_one_process("dataclass_blocks", out)
     # the dataclass blocks are released after their forward; the opaque one is kept, and the user is told
     assert out[0]["kept_warnings"] == ["net.blocks.2"], out[0]["kept_warnings"]
+
+
+def test_a_result_kept_on_a_block_for_the_model_trains_as_one_process(tmp_path: Any) -> None:
+    out = run_distributed(_fit, WORLD, "kept_exit_logits", str(tmp_path), init_process_group=False, timeout=300)
+    assert_matches_one_process("kept_exit_logits", out)
+    assert out[0]["kept_warnings"] == [], out[0]["kept_warnings"]  # the blocks are released after their forward
 
 
 def test_a_sparse_embedding_trains_with_sgd_as_one_process(tmp_path: Any) -> None:

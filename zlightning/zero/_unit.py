@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -59,6 +60,7 @@ class ZeroUnit:
         self.is_root = is_root
         self.groups: list[ZeroParamGroup] = []
         self._handles: list[Any] = []
+        self._hooked_stash: dict[int, weakref.ref[torch.Tensor]] = {}  # see [Note: results kept on a module]
         self.reads_params_in_backward = is_root or not _only_lookups(module)
         """False for a unit whose backward never reads its parameters (see [Note: lookups need no gather in
         backward]): it is not gathered again for its backward."""
@@ -117,10 +119,27 @@ class ZeroUnit:
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward_hook)
+            for t in self._new_stashed_tensors():  # see [Note: results kept on a module]
+                t.register_hook(self._pre_backward_hook)
+                tensors.append(t)
             if not tensors and self._may_be_backpropagated(args):  # see [Note: an output autograd cannot be seen in]
                 self.hooks.unit_keep_for_backward(self)
         self.hooks.unit_post_forward(self)
         return output
+
+    def _new_stashed_tensors(self) -> list[torch.Tensor]:
+        """Tensors with an autograd history held as plain attributes of the unit's modules, not hooked before."""
+        found = []
+        for m in self.module.modules():
+            for value in m.__dict__.values():
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    seen = self._hooked_stash.get(id(value))
+                    if seen is None or seen() is not value:
+                        found.append(value)
+        if found:  # (ids, not a WeakSet: tensors compare by value)
+            self._hooked_stash = {k: r for k, r in self._hooked_stash.items() if r() is not None}
+            self._hooked_stash.update((id(t), weakref.ref(t)) for t in found)
+        return found
 
     def _may_be_backpropagated(self, args: Any) -> bool:
         inputs = [t for t in _tensors_in(args) if t.requires_grad]
@@ -154,6 +173,16 @@ class ZeroUnit:
 # warning says how to let it be released. A forward recomputed during backward is not kept: torch's checkpointing
 # stops a recomputation as soon as it has what the backward needs, so its hook sees no output at all, and the unit's
 # own backward releases it (see [Note: a unit's forward inside backward] in _state.py).
+
+
+# [Note: results kept on a module]
+# A unit may also keep a result on itself for its parent to read (an exit classifier's logits for deep supervision,
+# an auxiliary loss as ``self.aux_loss``). When that result was computed after the unit's output from parameters the
+# output does not use, its backward runs before the output's, so it read the unit's parameters released after the
+# forward (it failed with
+# "setStorage: ... out of bounds for storage of size 0"). So after the forward, tensors with an autograd history
+# stored as plain attributes of the unit's modules get the pre-backward hook too (each tensor once: one kept from an
+# earlier step is not hooked again). Results kept in containers on the module are not searched; return them instead.
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
