@@ -10,6 +10,11 @@ losses and every parameter with one process on the same global batches (fp32, rt
 * a block keeping a result on itself for the model to use (deep supervision: each block's exit classifier keeps
   its logits as ``self.exit_logits``), computed after the block's output: its backward came first and read the
   block's released parameters (the same "setStorage" failure). See [Note: results kept on a module] in ``zlightning/zero/_unit.py``.
+* ``nn.TransformerEncoder`` with a padding mask, called twice per ``predict_step`` (test-time augmentation), on
+  ranks whose batches are padded on different sides: in eval it reads its first layer's weights itself only for a
+  left-aligned mask, that layer then stayed gathered for the rest of the step on those ranks only, and the ranks'
+  all-gathers diverged (gloo aborted: "Received data size doesn't match expected size"). See [Note: a read outside
+  without grad ends with the unit's use] in ``zlightning/zero/_state.py``.
 * an ``nn.Embedding(sparse=True)`` (a recommender's or word2vec's table, trained with SGD): its sparse gradient
   failed to pack for the reduce-scatter ("reshape is not implemented for sparse tensors"). See [Note: sparse
   gradients] in ``zlightning/zero/_param_group.py``. One process cannot clip sparse gradients or decay weights into
@@ -120,10 +125,27 @@ class EarlyExitNet(nn.Module):
         return self.head(x) + 0.5 * exits  # (the loss function sees the exits through the logits)
 
 
+class PaddedEncoder(nn.Module):
+    """Token classifier over ``nn.TransformerEncoder`` with a key padding mask (token 0 pads)."""
+
+    def __init__(self, d: int = 16, n_layer: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layer)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pad = idx == 0
+        h = self.encoder(self.emb(idx), src_key_padding_mask=pad)
+        return self.head(h.masked_fill(pad[..., None], 0.0).sum(1) / (~pad).sum(1, keepdim=True))
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     build: Callable[[], nn.Module]
-    inputs: str  # "features": (B, 48) floats; "ids": (B, 10) integers
+    inputs: str  # "features": (B, 48) floats; "ids": (B, 10) integers; "padded": ids, right-/left-padded by rank
+    predict_calls: int = 1
     weight_decay: float = 0.1
     clip: float | None = CLIP
 
@@ -131,6 +153,7 @@ class Spec:
 SPECS = {
     "dataclass_blocks": Spec(DataclassBlocksNet, "features"),
     "kept_exit_logits": Spec(EarlyExitNet, "features"),
+    "padded_encoder": Spec(PaddedEncoder, "padded", predict_calls=2),
     "sparse_embedding": Spec(SparseEmbeddingNet, "ids", weight_decay=0.0, clip=None),
 }
 
@@ -141,6 +164,10 @@ def make_batches(name: str, n: int, global_batch: int, seed: int = 5) -> list[tu
     for _ in range(n):
         if SPECS[name].inputs == "ids":
             x = torch.randint(0, 500, (global_batch, 10), generator=g)
+        elif SPECS[name].inputs == "padded":  # the first half of the rows (rank 0) padded on the right, then left
+            x = torch.randint(1, 64, (global_batch, 10), generator=g)
+            x[: global_batch // 2, -3:] = 0
+            x[global_batch // 2 :, :3] = 0
         else:
             x = torch.randn(global_batch, 48, generator=g)
         out.append((x, torch.randint(0, 10, (global_batch,), generator=g)))
@@ -173,7 +200,7 @@ class ClassifierModule(pl.LightningModule):
         return loss
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch[0])
+        return torch.stack([self.net(batch[0]) for _ in range(SPECS[self.name].predict_calls)]).mean(0)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return sgd(self.name, self.parameters())
@@ -259,6 +286,11 @@ def test_a_result_kept_on_a_block_for_the_model_trains_as_one_process(tmp_path: 
     out = run_distributed(_fit, WORLD, "kept_exit_logits", str(tmp_path), init_process_group=False, timeout=300)
     assert_matches_one_process("kept_exit_logits", out)
     assert out[0]["kept_warnings"] == [], out[0]["kept_warnings"]  # the blocks are released after their forward
+
+
+def test_a_transformer_encoder_predicts_twice_per_step_on_ranks_padded_on_different_sides(tmp_path: Any) -> None:
+    out = run_distributed(_fit, WORLD, "padded_encoder", str(tmp_path), init_process_group=False, timeout=300)
+    assert_matches_one_process("padded_encoder", out)
 
 
 def test_a_sparse_embedding_trains_with_sgd_as_one_process(tmp_path: Any) -> None:

@@ -164,6 +164,7 @@ class ZeroState:
         self._by_piece: dict[int, ZeroParam] = {}
         self._group_of: dict[int, ZeroParamGroup] = {}  # ZeroParam.index -> its group
         self._read_outside: dict[int, ZeroParamGroup] = {}  # see [Note: a parameter read outside its unit]
+        self._read_without_grad: set[int] = set()  # see [Note: a read outside without grad ends with the unit's use]
         # pass and backward bookkeeping (see [Note: training states])
         self.training_state = TrainingState.IDLE
         self._pass_id = 0
@@ -347,11 +348,27 @@ class ZeroState:
             group.reshard()
         group.unshard()
         group.install(self._pass_id, recompute=self.training_state is TrainingState.BACKWARD)
+        if torch.is_grad_enabled():
+            self._read_without_grad.discard(id(group))
+        elif id(group) not in self._read_outside:
+            self._read_without_grad.add(id(group))
         self._read_outside[id(group)] = group
         return True
 
+    # [Note: a read outside without grad ends with the unit's use]
+    # A group read outside its unit stays gathered to the end of the pass, for the reader's backward. Without grad
+    # there is no backward, and keeping it changed the collectives of the rest of the pass on this rank only when the
+    # read depends on the data: nn.TransformerEncoder in eval reads its first layer's weights (for its fast-path
+    # check) only when the padding mask is left-aligned, so a rank with right-padded batches kept that layer gathered
+    # through the next calls of the model in the same step (generation in predict_step) while a rank with left
+    # padding gathered it per call, and gloo aborted on mismatched sizes. So a group read without grad is released
+    # at its own unit's next release, as if the read had been the unit's use; a later read gathers it again.
+
     def _reshard_unit(self, unit: ZeroUnit) -> None:
         for group in unit.groups:
+            if id(group) in self._read_without_grad:  # see [Note: a read outside without grad ends with the unit's use]
+                self._read_without_grad.discard(id(group))
+                del self._read_outside[id(group)]
             if id(group) not in self._read_outside:
                 group.reshard()
 
@@ -793,6 +810,7 @@ class ZeroState:
     def release_all(self, keep_persistent: bool) -> None:
         """Reshards every group (persistent ones only leave the module slots unless ``keep_persistent`` is False)."""
         self._read_outside.clear()
+        self._read_without_grad.clear()
         for group in self.groups:
             if group.persistent and keep_persistent:
                 group.wait_gather()
@@ -805,6 +823,7 @@ class ZeroState:
         if self._pending:
             raise RuntimeError("optimizer.step() ran while gradient reduce-scatters were still in flight")
         self._read_outside.clear()
+        self._read_without_grad.clear()
         for group in self.groups:
             if group.persistent:
                 group.wait_gather()
