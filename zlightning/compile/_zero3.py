@@ -102,7 +102,6 @@ def compile_zero3(
         return _compile_graph(state, config, dynamic)
     handle = ZeroCompileHandle()
     backend = make_backend(config, handle.stats)
-    state.plain_parameter_dicts()  # see [Note: a parameter read outside its unit] in zlightning/zero/_unit.py
     engine_hooks = state.engine_hook_ids()
     unit_modules = [u.module for u in units]
     for unit in units:

@@ -366,8 +366,12 @@ def select_unit_modules(
 # second node, whose backward reduce-scatters its own gradient: the shard gets the sum either way) and stays
 # gathered until the end of the backward (or of a no-grad pass), as the root unit's parameters do, because the
 # reader's backward can come at any time. Outside a pass (between steps) a read still gives the piece, as for every
-# sharded parameter. Iterating the dict (``parameters()``, ``state_dict()``, the optimizer) never gathers. Compiled
-# models get plain dicts back (`ZeroState.plain_parameter_dicts`): a compiled graph must not trace the engine.
+# sharded parameter. Iterating the dict (``parameters()``, ``state_dict()``, the optimizer) never gathers. A compiled
+# graph must not trace the engine: inside a region being compiled the lookup is a plain one (a unit compiled in
+# per-unit mode reads its own parameters, gathered by its hooks, while the eager code around it, the root's forward
+# reading ``self.emb.weight``, still gathers on demand; traced, the engine's checks became guards that recompiled the
+# unit every step), and graph mode, which gathers every parameter itself, gives the modules plain dicts
+# (`ZeroState.plain_parameter_dicts`, called by ``suspend_module_hooks``).
 
 
 class GatheringParameters(dict):  # type: ignore[type-arg]
@@ -380,6 +384,8 @@ class GatheringParameters(dict):  # type: ignore[type-arg]
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
+        if torch.compiler.is_compiling():  # never trace the engine: see [Note: a parameter read outside its unit]
+            return value
         if value is not None and self.reader(value):
             return dict.__getitem__(self, name)  # the gathered full tensor, installed by the reader
         return value
