@@ -82,3 +82,16 @@ def test_per_unit_mode_trains_language_models_as_one_process() -> None:
     get the 1-D shard piece (compile_zero3 gave every module a plain parameter dict), 'size mismatch ... vec'."""
     out = run_distributed(_train, 2, "unit", timeout=300)
     _assert_matches_one_process(out)
+
+
+def test_graph_mode_trains_language_models_as_one_process_and_reports_what_it_keeps() -> None:
+    """The persistent group (norms, biases) is first used after the embedding's unit: the bytes the forward graph
+    hands to the backward were attributed to the wrong groups once the passes had reordered the gathers (the held
+    persistent group was reported as a unit kept without a budget)."""
+    out = run_distributed(_train, 2, "graph", timeout=300)
+    _assert_matches_one_process(out)
+    for rank_out in out:
+        for name, got in rank_out.items():
+            assert got["graphs"] == [1] * STEPS, (name, got["graphs"])
+            assert got["saved_unit"] == [0], (name, got["saved_unit"])  # ZeRO-3: no unit held into the backward
+            assert got["saved_always"] == [got["always_bytes"]] and got["always_bytes"] > 0, (name, got)

@@ -371,6 +371,9 @@ def make_graph_backend(
     tagger = RecomputeGathers(specs, keep)
 
     def transform(gm: fx.GraphModule, is_backward: bool) -> None:
+        # Gathers are still in spec order here (the traced step issues them so); the passes below reorder them.
+        in_spec_order = not is_backward and len(_gathers(gm.graph)) == len(specs)
+        saved = saved_gather_bytes(gm) if in_spec_order else {}
         moved = {"place_gathers": place_gathers(gm)}
         if "prefetch" in config.passes:
             moved["prefetch"] = prefetch_gathers(gm, config)
@@ -386,8 +389,7 @@ def make_graph_backend(
             stats.backward_reduce_scatters.append(sum(1 for n in gm.graph.nodes if n.target is _RS))
         else:
             stats.forward_gathers.append(len(pairs))
-            if len(pairs) == len(specs):
-                saved = saved_gather_bytes(gm)
+            if in_spec_order:
                 stats.saved_unit_bytes.append(sum(b for i, b in saved.items() if specs[i].kind == "unit"))
                 stats.saved_always_bytes.append(sum(b for i, b in saved.items() if specs[i].kind != "unit"))
         stats.moved.append(moved)
