@@ -163,8 +163,10 @@ class ZeroState:
         self.groups: list[ZeroParamGroup] = []
         self._by_piece: dict[int, ZeroParam] = {}
         self._group_of: dict[int, ZeroParamGroup] = {}  # ZeroParam.index -> its group
-        self._read_outside: dict[int, ZeroParamGroup] = {}  # see [Note: a parameter read outside its unit]
-        self._read_without_grad: set[int] = set()  # see [Note: a read outside without grad ends with the unit's use]
+        # groups read outside their unit this pass -> whether they stay gathered to the end of the backward (read
+        # with grad) or only to their unit's next release (see [Note: a parameter read outside its unit] and
+        # [Note: a read outside without grad ends with the unit's use])
+        self._read_outside: dict[int, bool] = {}
         # pass and backward bookkeeping (see [Note: training states])
         self.training_state = TrainingState.IDLE
         self._pass_id = 0
@@ -344,15 +346,9 @@ class ZeroState:
         group = self._group_of[zp.index]
         if group.persistent or self._is_root_group(group):
             return False
-        if group.stale and group.status is not GroupState.SHARDED:
-            group.reshard()
-        group.unshard()
+        group.unshard()  # re-gathers a stale copy too
         group.install(self._pass_id, recompute=self.training_state is TrainingState.BACKWARD)
-        if torch.is_grad_enabled():
-            self._read_without_grad.discard(id(group))
-        elif id(group) not in self._read_outside:
-            self._read_without_grad.add(id(group))
-        self._read_outside[id(group)] = group
+        self._read_outside[id(group)] = torch.is_grad_enabled() or self._read_outside.get(id(group), False)
         return True
 
     # [Note: a read outside without grad ends with the unit's use]
@@ -366,8 +362,7 @@ class ZeroState:
 
     def _reshard_unit(self, unit: ZeroUnit) -> None:
         for group in unit.groups:
-            if id(group) in self._read_without_grad:  # see [Note: a read outside without grad ends with the unit's use]
-                self._read_without_grad.discard(id(group))
+            if self._read_outside.get(id(group)) is False:  # see [Note: a read outside without grad ends ...]
                 del self._read_outside[id(group)]
             if id(group) not in self._read_outside:
                 group.reshard()
@@ -577,7 +572,7 @@ class ZeroState:
             return  # a recomputation (see [Note: a unit's forward inside backward]), stopped early by torch
         unit.warn_kept()
         for group in unit.groups:
-            self._read_outside[id(group)] = group
+            self._read_outside[id(group)] = True
 
     # [Note: the last unit of the forward stays gathered]
     # The unit that ends the forward (an output head, the last block) is the first whose backward runs: releasing it
@@ -810,7 +805,6 @@ class ZeroState:
     def release_all(self, keep_persistent: bool) -> None:
         """Reshards every group (persistent ones only leave the module slots unless ``keep_persistent`` is False)."""
         self._read_outside.clear()
-        self._read_without_grad.clear()
         for group in self.groups:
             if group.persistent and keep_persistent:
                 group.wait_gather()
@@ -823,7 +817,6 @@ class ZeroState:
         if self._pending:
             raise RuntimeError("optimizer.step() ran while gradient reduce-scatters were still in flight")
         self._read_outside.clear()
-        self._read_without_grad.clear()
         for group in self.groups:
             if group.persistent:
                 group.wait_gather()
