@@ -32,6 +32,8 @@ from zlightning.strategies._launch import (
     install_sigterm_handler,
 )
 
+from zlightning._exit import register_gloo_settle
+
 __all__ = ["LaunchedParallelStrategy"]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -158,6 +160,7 @@ class LaunchedParallelStrategy(ParallelStrategy):
         if backend == "gloo" and not any(k in os.environ for k in _FLIGHT_RECORDER_VARS):
             os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # see [Note: gloo's flight recorder]
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        register_gloo_settle()  # see [Note: gloo's workers finish with Python before the interpreter does]
         install_sigterm_handler()  # ranks started by spawn, or by another tool (torchrun, SLURM)
         install_failure_report(self.global_rank, self.world_size)  # after init_process_group's own excepthook
         self._warn_slow_cpu_precision()

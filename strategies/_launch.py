@@ -296,7 +296,9 @@ def _destroy_process_groups() -> None:
     Ranks that finalise normally (``popen``, ``torchrun``) can still meet the same abort from a daemon thread caught
     inside a C++ call by the finalisation: the watchdog's monitor was one (a core dump showed it in ``Store.add``),
     and it is now stopped before the interpreter finalises; see [Note: the monitor ends before the interpreter
-    does] in ``zlightning/_watchdog.py``.
+    does] in ``zlightning/_watchdog.py``. So can gloo's own worker threads, which release the tensors of the last
+    collective after the rank stopped waiting for it; see [Note: gloo's workers finish with Python before the
+    interpreter does] in ``zlightning/_exit.py``.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:

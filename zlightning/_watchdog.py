@@ -50,6 +50,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zlightning._exit import register_gloo_settle
+
 __all__ = [
     "WATCHDOG_TIMEOUT_ENV",
     "WATCHDOG_TIMEOUT_S",
@@ -380,6 +382,7 @@ def _get_monitor() -> Monitor | None:
         with _monitor_lock:
             if _monitor is None or _monitor.source is not store:
                 if _monitor is None:
+                    register_gloo_settle()  # first, so that it runs after _stop_monitor
                     atexit.register(_stop_monitor)
                 else:
                     _monitor.stop()  # the run's process group was replaced: watch the new store only
