@@ -84,12 +84,18 @@ def _zero3_fit(_: int | None, world: int, root: str, mode: str) -> None:
     class Blocks(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+            if mode == "skip-wide":  # block 2 is larger than the others: diverging collectives differ in size
+                widths = (16, 16, 48, 16)
+                self.blocks = nn.ModuleList(
+                    nn.Sequential(nn.Linear(16, w), nn.Tanh(), nn.Linear(w, 16)) for w in widths
+                )
+            else:
+                self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             odd, rank = self.global_step == 2, self.global_rank
             for i, block in enumerate(self.blocks):
-                if mode == "skip" and odd and rank == 1 and i == 2:
+                if mode in ("skip", "skip-wide") and odd and rank == 1 and i == 2:
                     continue
                 x = block(x)
                 if mode == "extra" and odd and rank == 0 and i == 1:
@@ -184,6 +190,21 @@ def test_diverging_control_flow_raises_on_every_rank(tmp_path: Path, forker: Ran
             ), text
     print(f"[measured] {mode}: both ranks raised after {took:.2f} s (fit start included, timeout {TIMEOUT_S} s)")
     assert took < 60, took
+
+
+def test_collectives_of_different_sizes_name_the_abort_and_its_likely_cause(tmp_path: Path, forker: RankForker) -> None:
+    """Rank 1 skips a unit larger than the others: gloo aborts the rank that receives more bytes than it expects
+    before any comparison can run (see [Note: a peer that gloo aborted] in zlightning/_watchdog.py); the other rank
+    names the abort and what it most often means."""
+    forker.start("tests.test_failures_explained:_zero3_fit", tmp_path / "logs", root=str(tmp_path), mode="skip-wide")
+    statuses = forker.wait(timeout=90)
+    logs = _logs(tmp_path)
+    assert sorted(statuses) == [-signal.SIGABRT, 1], (statuses, logs[0][-3000:], logs[1][-3000:])
+    survivor, aborted = (0, 1) if statuses[0] == 1 else (1, 0)
+    assert "Received data size doesn't match" in logs[aborted], logs[aborted][-3000:]
+    text = next(x for x in logs[survivor].splitlines() if x.startswith("zlightning._watchdog.PeerFailureError"))
+    assert f"rank {aborted} (pid" in text and "killed by SIGABRT" in text, text
+    assert "the ranks' collectives diverged" in text and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in text, text
 
 
 def test_a_rank_stuck_outside_collectives_is_located(tmp_path: Path, forker: RankForker) -> None:

@@ -504,6 +504,20 @@ def wait_for(
         monitor.blocked = None
 
 
+# [Note: a peer that gloo aborted]
+# Collectives of different sizes on two ranks (a rank that skips a unit, or runs one twice, where the units differ in
+# size) never reach the watchdog's comparison: gloo's transport thread receives more bytes than the collective
+# expects, throws ("Received data size doesn't match expected size") where nothing can catch it, and the process
+# ends with SIGABRT at once, its Python state gone. The survivor can only say how the peer ended, so for SIGABRT it
+# adds what that almost always means and how to have torch name both collectives before gloo aborts.
+_ABORT_HINT = (
+    "A rank killed by SIGABRT in a collective is most often gloo refusing a collective of another size than its "
+    "peer's ('Received data size doesn't match' in its log): the ranks' collectives diverged, e.g. through control "
+    "flow that depends on the rank's data or rank; TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch name both ranks' "
+    "collectives before gloo aborts. "
+)
+
+
 def explain_failure(err: BaseException, what: str | None = None) -> BaseException:
     """The error to raise instead of ``err`` (a failed collective): `PeerFailureError` naming the dead rank,
     `CollectiveMismatchError` naming the first divergence, or ``err`` itself when neither is found."""
@@ -548,10 +562,11 @@ def explain_failure(err: BaseException, what: str | None = None) -> BaseExceptio
     for r, (info, how) in sorted(dead.items()):
         where = f" (pid {info['pid']} on {info['host']})" if "pid" in info else ""
         parts.append(f"rank {r}{where} {how}")
+    aborted = any(how == "killed by SIGABRT" for _, how in dead.values())
     error = PeerFailureError(
         f"rank {monitor.rank}: {'; '.join(parts)} while this rank was in {doing}. The run cannot continue; the last "
         f'checkpoint is intact (restart with ckpt_path="last"). Look at the dead rank\'s log and exit status (a '
-        f"SIGKILL often means the OOM killer: see the kernel log). gloo said: {raw}"
+        f"SIGKILL often means the OOM killer: see the kernel log). {_ABORT_HINT if aborted else ''}gloo said: {raw}"
     )
     error.killed = any(how.startswith("killed") for _, how in dead.values())
     return error
