@@ -692,7 +692,10 @@ class PipelineEngine:
                 _zero_fill_shared_grads(params, group, self.device)
             allreduce_sum(self._grads(params), group)
         if self.zero is None:  # ZeRO-2/3: the reduce-scatter averaged over the replicas already
-            allreduce_mean(self._grads(self.module.parameters()), self.groups.data, self.grid.dp)
+            params = list(self.module.parameters())
+            if self.groups.data is not None and self.grid.dp > 1:  # see [Note: a gradient on some replicas only]
+                _zero_fill_shared_grads(params, self.groups.data, self.device)
+            allreduce_mean(self._grads(params), self.groups.data, self.grid.dp)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -830,7 +833,18 @@ def _to(obj: Any, device: torch.device | str) -> Any:
 def _zero_fill_shared_grads(params: list[nn.Parameter], group: dist.ProcessGroup, device: torch.device) -> None:
     """Gives a zero ``.grad`` to each parameter that has none here but a gradient on another rank of ``group``, so
     every rank all-reduces the same list (a tied module's position embedding unused by the head's ``forward_fn``,
-    see [Note: a tied module is one module]); a parameter no rank has a gradient for keeps ``None``."""
+    see [Note: a tied module is one module]; an expert no sample of this replica was routed to, see [Note: a
+    gradient on some replicas only]); a parameter no rank has a gradient for keeps ``None``.
+
+    [Note: a gradient on some replicas only]
+    The data-parallel all-reduce (ZeRO-0/1) packs the gradients each replica holds into one flat message. A layer
+    whose parameters a replica's micro-batches did not use (a mixture of experts routing none of its samples to one
+    expert, a branch taken by some batches only) leaves them without ``.grad`` there, so the replicas packed messages
+    of different sizes: gloo aborted the run, or, when the sizes happened to agree, added one parameter's gradient
+    to another's. One MAX all-reduce of has-a-gradient flags first (one integer per parameter) makes every replica
+    pack the same list, zeros where it has none, which is the one-process gradient: the replicas' sum over the
+    samples that used the parameter. A parameter no replica used keeps ``None``, so the optimizer skips it as in one
+    process. ZeRO-2/3 settle the same question in the engine (``_settle_unused``)."""
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
     dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
     for p, anywhere in zip(params, has.tolist()):
