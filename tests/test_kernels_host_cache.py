@@ -141,3 +141,54 @@ def test_only_the_bytes_needed_are_dropped_from_the_longest_idle_block() -> None
     assert out["recent_faults"] < pages_per_mib // 8, out
     assert pages_per_mib // 2 <= out["oldest_faults"] <= 2 * pages_per_mib, out
     assert out["values_ok"], out
+
+
+_UNDER_A_DATA_LIMIT = textwrap.dedent(
+    """
+    import json, resource, torch
+    from zlightning.kernels._host_cache import empty_host_cache, enable_host_cache, host_cache_stats
+
+    def vm_data():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmData:"))
+
+    MIB = 1 << 20
+    assert enable_host_cache()
+    out = {}
+    a = torch.empty(8 * MIB // 4).fill_(1.0)
+    del a                                      # 8 MiB idle, resident: the high-water mark
+    s0 = host_cache_stats()
+    c = torch.empty(12 * MIB // 4).fill_(2.0)  # 4 MiB past the mark: all 8 MiB of the idle block's pages must go
+    s1 = host_cache_stats()
+    out["mapped_growth"] = (s1.mapped_bytes - s0.mapped_bytes) // MIB
+    del c
+    peak = [torch.empty(16 * MIB // 4).fill_(3.0) for _ in range(3)]
+    del peak
+    empty_host_cache()                         # nothing mapped, a mark of 48 MiB
+    x, y = torch.empty(16 * MIB // 4).fill_(3.0), torch.empty(16 * MIB // 4).fill_(3.0)
+    del x, y                                   # 32 MiB idle, below the mark: kept resident, nothing to shed
+    s2 = host_cache_stats()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (vm_data() + 4 * MIB, hard))
+    try:
+        d = torch.empty(10 * MIB // 4).fill_(4.0)  # another class: a new 10 MiB mapping, over a 4 MiB allowance
+        out["mapped_change"] = (host_cache_stats().mapped_bytes - s2.mapped_bytes) // MIB
+        out["fits"] = bool((d == 4.0).all())
+    except RuntimeError as err:
+        out["fits"] = str(err)[:200]
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_under_a_data_limit_idle_blocks_give_way() -> None:
+    """See [Note: address space under a data limit]: a block that shedding emptied is unmapped, and when the process's
+    data limit refuses a new mapping, idle blocks are unmapped to make room instead of the allocation failing."""
+    done = subprocess.run([sys.executable, "-c", _UNDER_A_DATA_LIMIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["mapped_growth"] == 12 - 8, out  # the 12 MiB block mapped, the emptied 8 MiB block unmapped
+    assert out["fits"] is True, out
+    assert out["mapped_change"] == 10 - 16, out  # one idle 16 MiB block (the longest idle) made room

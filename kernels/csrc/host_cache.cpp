@@ -38,6 +38,16 @@
 //     B-parameter model with everything on NVMe, at about 6 us per 4 KiB page on this VM);
 //   * the blocks idle the longest go first, and a request takes the most resident block of its size.
 //
+// [Note: address space under a data limit]
+// A process whose data segment is capped (RLIMIT_DATA, as a run that must fit a memory budget sets it) is charged for
+// every mapped block, resident or not. Two rules keep the cache from failing where the memory it holds is idle:
+//   * a block whose pages have all been dropped by shedding is unmapped instead of kept (it would come back with page
+//     faults anyway; the mapping alone saves only an mmap call) and
+//   * when mmap fails for lack of room (ENOMEM), the idle blocks are unmapped, the longest idle first, until the
+//     request fits, and the mapping is tried again; only with no idle block left does the allocation fail.
+// Measured on a GPT of 26 M parameters under ZeRO-3 at 2 ranks, the cache's mapped bytes were 10.4 per parameter
+// against a live peak of 10.1: the difference is what the first rule returns.
+//
 // Frees can come from any thread; a mutex guards the maps, and fork handlers keep a child process (DataLoader
 // workers) from inheriting it locked.
 #include <c10/core/Allocator.h>
@@ -49,6 +59,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -112,6 +123,7 @@ class HostCache final : public c10::Allocator {
     std::sort(candidates.begin(), candidates.end(),
               [](const auto& x, const auto& y) { return x.second->freed < y.second->freed; });
     size_t done = 0;
+    bool emptied = false;
     for (auto& [size, b] : candidates) {
       if (done >= need) {
         break;
@@ -123,8 +135,56 @@ class HostCache final : public c10::Allocator {
         done += drop;
         shed_bytes += static_cast<int64_t>(drop);
         idle_resident -= static_cast<int64_t>(drop);
+        emptied = emptied || keep_bytes == 0;
       }
     }
+    if (emptied) {  // see [Note: address space under a data limit]
+      unmap_idle([](const Idle& b) { return b.resident == 0; }, std::numeric_limits<size_t>::max());
+    }
+  }
+
+  // Unmaps idle blocks that `pick` selects, the longest idle first, until `need` bytes are unmapped (caller holds mu).
+  template <typename Pick>
+  size_t unmap_idle(Pick pick, size_t need) {
+    std::vector<std::pair<uint64_t, std::pair<size_t, void*>>> chosen;  // (freed, (size, block))
+    for (auto& [size, blocks] : idle) {
+      for (const Idle& b : blocks) {
+        if (pick(b)) {
+          chosen.push_back({b.freed, {size, b.p}});
+        }
+      }
+    }
+    std::sort(chosen.begin(), chosen.end());
+    size_t done = 0;
+    for (const auto& [freed, block] : chosen) {
+      if (done >= need) {
+        break;
+      }
+      const auto [size, p] = block;
+      std::vector<Idle>& blocks = idle[size];
+      auto it = std::find_if(blocks.begin(), blocks.end(), [p = p](const Idle& b) { return b.p == p; });
+      idle_resident -= static_cast<int64_t>(it->resident);
+      blocks.erase(it);
+      if (blocks.empty()) {
+        idle.erase(size);
+      }
+      munmap(p, size);
+      idle_bytes -= static_cast<int64_t>(size);
+      mapped -= static_cast<int64_t>(size);
+      done += size;
+    }
+    return done;
+  }
+
+  // A new mapping of `size` bytes; under a data limit, idle blocks make room first (see [Note: address space under
+  // a data limit]; caller holds mu).
+  void* map_block(size_t size) {
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    while (p == MAP_FAILED && errno == ENOMEM && !idle.empty()) {
+      unmap_idle([](const Idle&) { return true; }, size);
+      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
+    return p;
   }
 
   c10::DataPtr allocate(size_t n) override {
@@ -171,7 +231,7 @@ class HostCache final : public c10::Allocator {
       }
     } else {
       make_room(cls);
-      p = mmap(nullptr, cls, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      p = map_block(cls);
       TORCH_CHECK(p != MAP_FAILED, "zlightning host cache: mmap of ", cls,
                   " bytes failed (out of memory, or the process's memory limit was reached)");
       mapped += static_cast<int64_t>(cls);
