@@ -6,6 +6,18 @@ pipeline rank with virtual stages) the output of the first is detached before th
 ``B`` action backpropagates through exactly one stage, and the gradient of its inputs is handed on explicitly,
 whether by ``SEND_B`` or in memory. Floating inputs that required grad on the producing side require grad here; an
 input that receives no gradient (unused) sends zeros so the pairing of sends and receives never depends on autograd.
+
+[Note: checkpointed stages backpropagate whole]
+torch's (non-reentrant) activation checkpointing recomputes a checkpointed forward once per autograd call that
+unpacks what it saved. A split backward (see [Note: how a backward is split] in ``_backward.py``) makes three such
+calls, ``B`` and the two phases of ``W``, and ``SavedActivations.keep_only_for`` unpacks once more to see what ``W``
+reads: a stage with ``activation_checkpoint_interval`` ran its checkpointed layers five times per split micro-batch
+instead of twice. Beyond three extra forwards of compute (more than the idle time ``W`` could fill), a layer with
+state in its forward diverged from one process: BatchNorm's running statistics moved five times per micro-batch. So
+such a stage's backward runs whole in its ``B`` (one recomputation, as under 1F1B) and its ``W`` does nothing. The
+first stage still splits: its ``B`` computes nothing (its input is data) and its ``W`` is one backward, which
+recomputes once. Under ZeRO-2/3 the backward that reduce-scatters is then such a ``B`` when it is the rank's last
+to compute weight gradients (``_last_gradients``).
 """
 
 from __future__ import annotations
@@ -105,11 +117,13 @@ class BatchRun:
             ActionKind.RECV_B: self._recv_b,
         }
         program = self.schedule.programs[self.rank]
-        self._split = self.schedule.split
+        # stages whose split backwards run whole: see [Note: checkpointed stages backpropagate whole]
+        whole = {s for s in self.stage.chunks if s > 0 and self.stage.module.checkpoints_stage(s)}
+        self._split = frozenset(k for k in self.schedule.split if k[0] not in whole)
         finishing = [
             a
             for a in program
-            if a.kind is ActionKind.WEIGHT
+            if (a.kind is ActionKind.WEIGHT and (a.stage, a.microbatch) in self._split)
             or (a.kind is ActionKind.BACKWARD and (a.stage, a.microbatch) not in self._split)
         ]
         self._last_gradients = (finishing[-1].stage, finishing[-1].microbatch) if finishing else None
@@ -260,6 +274,8 @@ class BatchRun:
             self._dx[(s, m)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
 
     def _weight(self, a: Action) -> None:
+        if (a.stage, a.microbatch) not in self._split:
+            return  # its B ran the whole backward: see [Note: checkpointed stages backpropagate whole]
         self._sync_gradients_after(a.stage, a.microbatch)
         backward_weight(self._weights.pop((a.stage, a.microbatch)))
 

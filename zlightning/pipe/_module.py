@@ -367,6 +367,13 @@ class PipelineModule(nn.Module):
                 return True
         return False
 
+    def checkpoints_stage(self, stage: int) -> bool:
+        """Whether a training ``run_stage(stage)`` recomputes some of its layers in backward (activation
+        checkpointing with a checkpointable block in the stage)."""
+        k = self.activation_checkpoint_interval
+        indices = list(self.stage_layers(stage))
+        return k > 0 and any(self._checkpointable(indices[i : i + k]) for i in range(0, len(indices), k))
+
     def run_stage(self, stage: int, x: Any, *, context: LayerContext | None = None) -> Any:
         """Applies the layers of ``stage`` to ``x`` (with activation checkpointing when enabled and training),
         inside ``context()`` if given (entered again around each recomputation)."""
