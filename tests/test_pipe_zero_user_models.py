@@ -461,3 +461,21 @@ def test_bf16_mixed_trains_close_to_fp32(pp2: list[dict[str, Any]]) -> None:
     losses, _ = one_process("experts", dp=1)
     for r in pp2:
         torch.testing.assert_close(r["bf16"]["losses"], losses, rtol=3e-2, atol=3e-2)
+
+
+# ---------------------------------------------------------------------------------------------------- clear errors
+def test_a_module_instance_on_two_stages_is_refused_clearly() -> None:
+    """The same ``nn.Module`` at the first and last position trained two separate copies on PP2 (silently: the
+    losses left the one-process run's from the second step on, under ZeRO-0 and ZeRO-3 alike)."""
+    shared = nn.Linear(D, D)
+    layers: list[Any] = [shared, nn.Tanh(), LayerSpec(nn.Linear, D, D), nn.Tanh(), shared]
+    for stages in ((0,), (1,)):  # every rank raises, whichever stage it builds
+        pipe = PipelineModule(layers, loss_fn=_loss, partition_method="uniform")
+        with pytest.raises(
+            ValueError, match=r"layers 0 and 4 hold the same parameter .*TiedLayerSpec\('some_key', Linear"
+        ):
+            pipe.build(stages, 2)
+    PipelineModule(layers, loss_fn=_loss).build()  # one stage: one module, as in one process
+    PipelineModule([shared, shared, LayerSpec(nn.Linear, D, D)], loss_fn=_loss, partition_method="uniform").build(
+        (0,), 2
+    )  # both positions in the first stage: one copy

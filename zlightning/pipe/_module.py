@@ -243,6 +243,7 @@ class PipelineModule(nn.Module):
             ValueError: the layers cannot be split into ``total_stages``.
         """
         bounds = self.partition(total_stages)
+        self._check_modules_shared_across_stages(bounds)
         if (
             self.bounds is not None
             and self._auto_built
@@ -265,6 +266,37 @@ class PipelineModule(nn.Module):
         finally:
             self._building = False
         return self
+
+    def _check_modules_shared_across_stages(self, bounds: Sequence[int]) -> None:
+        """Raises if a parameter of an ``nn.Module`` given as a layer is also held by a layer of another stage.
+
+        [Note: a module instance at several positions]
+        An ``nn.Module`` instance given at two positions (``layers=[shared, ..., shared]``), or two instances holding
+        the same parameter, is one module in a single process. Split into stages, every rank builds its own stage
+        from its own copy of the list, so the positions on different stages trained separate copies, silently: the
+        losses left the one-process run's from the second step on (with or without ZeRO) and the checkpoint held
+        two different values under two names. Sharing across stages is what ``TiedLayerSpec`` does (one module on
+        every owning stage, its gradients summed over them); so a parameter on two stages is an error naming it.
+        Within one stage the positions run on one copy and train as in one process. Every rank checks the whole
+        split before building anything, so they all raise together, before any collective."""
+        first: dict[int, tuple[int, int, str]] = {}  # id(parameter) -> (layer, stage, name) where it was first held
+        for stage in range(len(bounds) - 1):
+            for idx in range(bounds[stage], bounds[stage + 1]):
+                spec = self.specs[idx]
+                if isinstance(spec, LayerSpec) or not isinstance(spec, nn.Module):
+                    continue
+                for name, p in spec.named_parameters():
+                    layer, where, held_as = first.setdefault(id(p), (idx, stage, name))
+                    if where != stage:
+                        kind = type(spec).__name__
+                        raise ValueError(
+                            f"PipelineModule: layers {layer} and {idx} hold the same parameter ({layer}.{held_as} is "
+                            f"{idx}.{name}) but fall in different stages ({where} and {stage} of {len(bounds) - 1}), "
+                            "whose ranks would each train their own copy. To share a layer across stages, give "
+                            f"TiedLayerSpec('some_key', {kind}, ...) at each position (one module, its gradients "
+                            "summed over the stages; forward_fn= runs a position differently); otherwise pass "
+                            "distinct modules"
+                        )
 
     def _seeded(self, idx: int, make: Callable[[], nn.Module]) -> nn.Module:
         if not self.seed_layers:
