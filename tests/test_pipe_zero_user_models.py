@@ -479,3 +479,24 @@ def test_a_module_instance_on_two_stages_is_refused_clearly() -> None:
     PipelineModule([shared, shared, LayerSpec(nn.Linear, D, D)], loss_fn=_loss, partition_method="uniform").build(
         (0,), 2
     )  # both positions in the first stage: one copy
+
+
+def test_a_tie_without_its_weight_attribute_is_refused_clearly() -> None:
+    """A tied block whose shared weight is not called ``weight`` failed inside the engine with torch's bare
+    ``AttributeError: TiedEmbed has no attribute `weight```, after the process groups were built."""
+    layers: list[Any] = [TiedLayerSpec("emb", TiedEmbed), LayerSpec(nn.Linear, D, D), TiedLayerSpec("emb", TiedEmbed)]
+    pipe = PipelineModule(layers, loss_fn=_loss, partition_method="uniform")
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0, TiedLayerSpec\('emb', TiedEmbed\): tied_weight_attr 'weight' is not a param.*"
+        r"tok\.weight, norm\.weight, norm\.bias\); pass tied_weight_attr='tok\.weight'",
+    ):
+        pipe.build((0,), 2)
+
+
+def test_a_lazy_layer_is_refused_clearly() -> None:
+    """``nn.LazyLinear`` failed in the partition's parameter count with torch's advice to run a dummy forward,
+    which no pipeline rank can do for the whole model."""
+    pipe = PipelineModule([LayerSpec(nn.LazyLinear, D), LayerSpec(nn.Linear, D, C)], loss_fn=_loss)
+    with pytest.raises(ValueError, match=r"layer 0 \(LazyLinear\) is a lazy module.*nn\.Linear\(in_features"):
+        pipe.build((0,), 2)

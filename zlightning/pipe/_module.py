@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import checkpoint
 
 from zlightning.pipe._partition import layer_weights, partition_balanced, partition_uniform
@@ -75,6 +76,18 @@ def _layer_name(layer: Any) -> str:
     if isinstance(layer, nn.Module):
         return type(layer).__name__
     return getattr(layer, "__name__", type(layer).__name__)
+
+
+def _check_tied_weight_attr(idx: int, spec: TiedLayerSpec, module: nn.Module) -> None:
+    """Raises a ``ValueError`` naming the module's parameters if a ``tied_weight_attr`` entry is not one of them."""
+    names = [n for n, _ in module.named_parameters()]
+    missing = [a for a in spec.tied_weight_attr if a not in names]
+    if missing:
+        raise ValueError(
+            f"PipelineModule: layer {idx}, TiedLayerSpec({spec.key!r}, {spec.typename.__name__}): tied_weight_attr "
+            f"{missing[0]!r} is not a parameter of {spec.typename.__name__} (its parameters: {', '.join(names) or 'none'})"
+            + (f"; pass tied_weight_attr={names[0]!r} (or a tuple of names)" if names else "")
+        )
 
 
 class PipelineModule(nn.Module):
@@ -152,14 +165,30 @@ class PipelineModule(nn.Module):
         layer_weights(method, [_layer_name(x) for x in layers], [0] * len(layers))  # validates the method name
 
     # ------------------------------------------------------------------------------------------ partitioning (pure)
-    def _numel(self, layer: Any, seen_keys: set[str]) -> int:
+    def _numel(self, idx: int, layer: Any, seen_keys: set[str]) -> int:
+        """Trainable elements of layer ``idx`` (a tie group's at its first position only), checked to be countable
+        and, for a tie group, to hold its ``tied_weight_attr``.
+
+        Raises:
+            ValueError: a lazy module (parameters of unknown shape), or a ``tied_weight_attr`` that names no parameter.
+        """
         if isinstance(layer, TiedLayerSpec):
             if layer.key in seen_keys:
-                return 0  # counted at its first position
+                return 0  # counted (and checked) at its first position
             seen_keys.add(layer.key)
         module = layer.build("meta") if isinstance(layer, LayerSpec) else layer
         if not isinstance(module, nn.Module):
             return 0
+        if any(is_lazy(p) for p in module.parameters()):
+            raise ValueError(
+                f"PipelineModule: layer {idx} ({_layer_name(layer)}) is a lazy module whose parameters get their shape "
+                "from its first input; a pipeline needs every parameter before the first batch (to partition the "
+                "layers, make replicas identical, shard them under ZeRO and build the optimizer) and no rank runs the "
+                "whole model to infer them. Give the input size instead, e.g. nn.Linear(in_features, out_features) "
+                "for nn.LazyLinear(out_features)"
+            )
+        if isinstance(layer, TiedLayerSpec):
+            _check_tied_weight_attr(idx, layer, module)
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
     def partition(self, total_stages: int) -> list[int]:
@@ -175,7 +204,7 @@ class PipelineModule(nn.Module):
                 f"(each stage needs at least one layer); use at most {n} stages or split the model into more layers"
             )
         seen: set[str] = set()
-        numels = [self._numel(layer, seen) for layer in self.specs]
+        numels = [self._numel(i, layer, seen) for i, layer in enumerate(self.specs)]
         weights = layer_weights(self.partition_method, [_layer_name(x) for x in self.specs], numels)
         if weights is None:
             return partition_uniform(n, total_stages)
