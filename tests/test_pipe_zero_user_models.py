@@ -27,6 +27,7 @@ micro-batch (see [Note: checkpointed stages backpropagate whole] in ``zlightning
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -382,7 +383,19 @@ def pp2_rank(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["regrid"] = _result(*_fit(world, config, ckpt_path=ckpt, max_epochs=2))
     config = PipelineConfig(micro_batches=2 * MICRO, zero_stage=3, schedule="zbv")
     out["bf16"] = _result(*_fit(world, config, precision="bf16-mixed"))
+    out["too_few_layers"] = _too_few_layers()
     return out
+
+
+def _too_few_layers() -> str:
+    from zlightning.pipe import PipelineEngine
+
+    pipe = PipelineModule([LayerSpec(nn.Linear, D, D), nn.Tanh(), LayerSpec(nn.Linear, D, C)], loss_fn=_loss)
+    try:
+        PipelineEngine(pipe, None, PipelineConfig(schedule="zbv", zero_stage=3), num_stages=2)
+    except ValueError as err:
+        return str(err)
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -500,3 +513,14 @@ def test_a_lazy_layer_is_refused_clearly() -> None:
     pipe = PipelineModule([LayerSpec(nn.LazyLinear, D), LayerSpec(nn.Linear, D, C)], loss_fn=_loss)
     with pytest.raises(ValueError, match=r"layer 0 \(LazyLinear\) is a lazy module.*nn\.Linear\(in_features"):
         pipe.build((0,), 2)
+
+
+def test_too_few_layers_for_a_two_chunk_schedule_say_why(pp2: list[dict[str, Any]]) -> None:
+    """Three layers on two ranks under ``zbv``: the partition's error asked for 4 stages the user never set and
+    advised "use at most 3 stages", which cannot help (3 ranks need 6)."""
+    for r in pp2:
+        assert re.search(
+            r"schedule='zbv' runs 2 model chunks per pipeline rank, so 2 pipeline ranks need 4 stages .* has 3 layers; "
+            r"use a schedule with one chunk per rank \('1f1b', 'gpipe' or 'zb_h1'\), or split",
+            r["too_few_layers"],
+        ), r["too_few_layers"]

@@ -256,6 +256,7 @@ class PipelineEngine:
         rank = dist.get_rank() if dist.is_initialized() else 0
         tp = config.tensor_parallel_size
         pp = num_stages or module.num_stages or max(1, world // tp)
+        _check_layer_count(module, pp, config)
         self.grid = PipeGrid.from_world(world, rank, pp, tp)
         is_factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
         if tp > 1 and isinstance(optimizer, torch.optim.Optimizer):
@@ -778,6 +779,22 @@ class PipelineEngine:
         raise RuntimeError("PipelineEngine has no forward(); use train_batch(data_iter) or eval_batch(data_iter)")
 
     backward = forward
+
+
+def _check_layer_count(module: PipelineModule, pp: int, config: PipelineConfig) -> None:
+    """With several chunks per rank, says so when the layers are too few for ``pp x chunks`` stages (the
+    partition's own error counts stages the user never asked for and suggests a stage count that cannot help)."""
+    v, n = config.chunks_per_rank, len(module.specs)
+    if v == 1 or n >= pp * v:
+        return
+    fixes = [f"at most {n // v} pipeline ranks (num_stages)"] if n // v >= 2 else []
+    fixes.append("a schedule with one chunk per rank ('1f1b', 'gpipe' or 'zb_h1')")
+    raise ValueError(
+        f"PipelineEngine: schedule={config.schedule!r} runs {v} model chunks per pipeline rank, so {pp} pipeline "
+        f"ranks need {pp * v} stages of at least one layer each, but the PipelineModule has {n} layers; use "
+        + ", ".join(fixes)
+        + ", or split the model into more layers"
+    )
 
 
 def _all_or_none(make: Callable[[], frozenset[int]], device: torch.device) -> frozenset[int]:
