@@ -216,6 +216,11 @@ class PipelineStrategy(LaunchedParallelStrategy):
         )
         if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
             raise ValueError(f"PipelineStrategy(num_stages=...) must be None or an int >= 1, got {num_stages!r}")
+        if config is not None and not isinstance(config, PipelineConfig):
+            raise TypeError(
+                f"PipelineStrategy(config=...) expects a zlightning.pipe.PipelineConfig, got {type(config).__name__}: "
+                "write config=PipelineConfig(micro_batches=8, zero_stage=3, ...)"
+            )
         if config is not None and (micro_batches != 4 or schedule != "1f1b"):
             raise ValueError(
                 "PipelineStrategy: give either config=PipelineConfig(...) or micro_batches=/schedule=, not both"

@@ -524,3 +524,19 @@ def test_too_few_layers_for_a_two_chunk_schedule_say_why(pp2: list[dict[str, Any
             r"use a schedule with one chunk per rank \('1f1b', 'gpipe' or 'zb_h1'\), or split",
             r["too_few_layers"],
         ), r["too_few_layers"]
+
+
+def test_config_values_that_cannot_work_are_refused_at_construction() -> None:
+    """A NaN clipping threshold was accepted and turned every gradient into NaN at the first step; ``zero_stage=3.0``
+    was accepted where ``micro_batches=4.0`` is not; a dict as the strategy's ``config`` failed inside the Trainer
+    with "'dict' object has no attribute ...". (The config is a frozen dataclass, see STYLE principle 4.)"""
+    from zlightning.strategies import PipelineStrategy
+
+    for clip in (float("nan"), "1.0", None, -1.0):
+        with pytest.raises(ValueError, match="gradient_clipping must be a number >= 0"):
+            PipelineConfig(gradient_clipping=clip)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 3.0"):
+        PipelineConfig(zero_stage=3.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"expects a zlightning.pipe.PipelineConfig, got dict: write config=Pipeline"):
+        PipelineStrategy(config={"zero_stage": 3})  # type: ignore[arg-type]
+    assert PipelineConfig(gradient_clipping=float("inf")).gradient_clipping == float("inf")  # no clipping, as torch

@@ -135,10 +135,14 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig: virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})"
             )
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+        if not isinstance(self.zero_stage, int) or isinstance(self.zero_stage, bool) or self.zero_stage not in range(4):
             raise ValueError(f"PipelineConfig: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.gradient_clipping < 0:
-            raise ValueError(f"PipelineConfig: gradient_clipping must be >= 0, got {self.gradient_clipping}")
+        clip = self.gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:  # NaN too
+            raise ValueError(
+                f"PipelineConfig: gradient_clipping must be a number >= 0 (0: off; a NaN would turn every gradient "
+                f"into NaN), got {clip!r}"
+            )
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"PipelineConfig: tensor_parallel_size must be an int >= 1, got {tp!r}")
