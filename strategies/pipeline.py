@@ -335,11 +335,15 @@ class PipelineStrategy(LaunchedParallelStrategy):
     def _setup_optimizers(self, trainer: pl.Trainer, engine: PipelineEngine) -> None:
         """``configure_optimizers`` over the stage's full-shape parameters, also under ZeRO-2/3 (then re-pointed to
         the shards), so ``p.ndim``-based weight-decay groups work as in one process."""
-        if engine.zero is None:
-            self.setup_optimizers(trainer)
-            return
-        with engine.zero.full_shape_stand_ins() as stand_ins:
-            self.setup_optimizers(trainer)
+        try:
+            if engine.zero is None:
+                self.setup_optimizers(trainer)
+                return
+            with engine.zero.full_shape_stand_ins() as stand_ins:
+                self.setup_optimizers(trainer)
+        except ValueError as err:  # a stage that trains nothing given only trainable parameters: say so
+            engine.module.explain_empty_optimizer(engine.grid.stage, err)
+            raise
         for optimizer in self.optimizers:
             engine.zero.attach_optimizer(optimizer, stand_ins)
 

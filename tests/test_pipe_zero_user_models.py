@@ -286,7 +286,12 @@ def _eval_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fit(
-    world: int, config: PipelineConfig, model: str = "experts", partition: str = "parameters", **kw: Any
+    world: int,
+    config: PipelineConfig,
+    model: str = "experts",
+    partition: str = "parameters",
+    lit: type[Lit] | None = None,
+    **kw: Any,
 ) -> tuple[Lit, pl.Trainer]:
     from zlightning.strategies import PipelineStrategy
 
@@ -294,7 +299,7 @@ def _fit(
     dp_rank = int(__import__("os").environ["RANK"]) % dp
     ckpt_path, val = kw.pop("ckpt_path", None), kw.pop("val", None)
     pl.seed_everything(0, verbose=False)
-    module = Lit(model, partition)
+    module = (lit or Lit)(model, partition)
     trainer = pl.Trainer(
         strategy=PipelineStrategy(num_stages=2, config=config),
         accelerator="cpu",
@@ -384,7 +389,29 @@ def pp2_rank(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     config = PipelineConfig(micro_batches=2 * MICRO, zero_stage=3, schedule="zbv")
     out["bf16"] = _result(*_fit(world, config, precision="bf16-mixed"))
     out["too_few_layers"] = _too_few_layers()
+    out["frozen_stage"] = _frozen_stage_error(world)  # last: the failed fit leaves the process group broken
     return out
+
+
+class FreezeFirstStage(Lit):
+    """Fine-tuning as users write it: the embedding and first block frozen by name in ``setup`` (here: all of the
+    first stage), the optimizer given the parameters that require grad."""
+
+    def setup(self, stage: str) -> None:
+        for name, p in self.pipe.named_parameters():
+            if name.startswith(("0.", "1.")):
+                p.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.02)
+
+
+def _frozen_stage_error(world: int) -> str:
+    try:
+        _fit(world, PipelineConfig(micro_batches=MICRO, zero_stage=3), lit=FreezeFirstStage)
+    except Exception as err:  # noqa: BLE001 - the first stage's rank explains; the other loses its peer
+        return f"{type(err).__name__}: {err}"
+    return "no error"
 
 
 def _too_few_layers() -> str:
@@ -540,3 +567,14 @@ def test_config_values_that_cannot_work_are_refused_at_construction() -> None:
     with pytest.raises(TypeError, match=r"expects a zlightning.pipe.PipelineConfig, got dict: write config=Pipeline"):
         PipelineStrategy(config={"zero_stage": 3})  # type: ignore[arg-type]
     assert PipelineConfig(gradient_clipping=float("inf")).gradient_clipping == float("inf")  # no clipping, as torch
+
+
+def test_a_stage_that_trains_nothing_says_how_to_build_its_optimizer(pp2: list[dict[str, Any]]) -> None:
+    """Every layer of the first stage frozen in ``setup`` and ``configure_optimizers`` given the parameters that
+    require grad (fine in one process, where the rest of the model trains): torch's bare "optimizer got an empty
+    parameter list" on that stage's rank. Giving the optimizer every parameter trains as one process (probed)."""
+    assert re.search(
+        r"ValueError: PipelineModule: stage\(s\) \[0\] on pipeline rank 0 train no parameter \(layers 0: Embed, 1: "
+        r"Block are frozen\).*torch.optim.AdamW\(self.parameters\(\), ...\)",
+        pp2[0]["frozen_stage"],
+    ), pp2[0]["frozen_stage"]

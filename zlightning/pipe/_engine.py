@@ -349,10 +349,14 @@ class PipelineEngine:
     ) -> torch.optim.Optimizer:
         """``factory(module.parameters())``; under ZeRO-2/3 over full-shape stand-ins, then re-pointed to the
         shards (see "Optimizers see full shapes" in [Note: ZeRO inside a pipeline stage])."""
-        if self.zero is None:
-            return factory(self.module.parameters())
-        with self.zero.full_shape_stand_ins() as stand_ins:
-            optimizer = factory(self.module.parameters())
+        try:
+            if self.zero is None:
+                return factory(self.module.parameters())
+            with self.zero.full_shape_stand_ins() as stand_ins:
+                optimizer = factory(self.module.parameters())
+        except ValueError as err:
+            self.module.explain_empty_optimizer(self.grid.stage, err)
+            raise
         self.zero.attach_optimizer(optimizer, stand_ins)
         return optimizer
 

@@ -370,15 +370,36 @@ class PipelineModule(nn.Module):
         torch raises "optimizer got an empty parameter list")."""
         if self.bounds is None or next(iter(self.parameters()), None) is not None:
             return
-        layers = [i for s in self.local_stages for i in self.stage_layers(s)]
-        names = ", ".join(f"{i}: {_layer_name(self.specs[i])}" for i in layers[:6]) + (
-            ", ..." if len(layers) > 6 else ""
-        )
         raise ValueError(
             f"PipelineModule: stage(s) {list(self.local_stages)} on pipeline rank {rank} hold no parameter "
-            f"(layers {names}), so no optimizer can be built there. Give every stage a layer with parameters: "
-            "partition_method='parameters' (the default, balances parameters), a 'type:REGEX' partition, or fewer "
-            "stages (num_stages)"
+            f"(layers {self._local_layer_names()}), so no optimizer can be built there. Give every stage a layer with "
+            "parameters: partition_method='parameters' (the default, balances parameters), a 'type:REGEX' partition, "
+            "or fewer stages (num_stages)"
+        )
+
+    def explain_empty_optimizer(self, rank: int, err: ValueError) -> None:
+        """Raises, from ``err`` (torch's "optimizer got an empty parameter list"), why a pipeline rank got no
+        parameter to optimize when its stages train none (every one frozen: a fine-tuning run freezing the first
+        layers, whose optimizer takes the parameters that require grad); returns for any other error, which the
+        caller re-raises. In one process the same optimizer gets the trainable parameters of the whole model."""
+        if (
+            "empty parameter list" not in str(err)
+            or self.bounds is None
+            or any(p.requires_grad for p in self.parameters())
+        ):
+            return
+        raise ValueError(
+            f"PipelineModule: stage(s) {list(self.local_stages)} on pipeline rank {rank} train no parameter (layers "
+            f"{self._local_layer_names()} are frozen), so an optimizer given only the parameters that require grad "
+            "gets an empty list there. Give it every parameter (frozen ones get no gradient, which torch's "
+            "optimizers skip: torch.optim.AdamW(self.parameters(), ...)), or split the model so that every stage "
+            "trains a layer (num_stages, partition_method)"
+        ) from err
+
+    def _local_layer_names(self) -> str:
+        layers = [i for s in self.local_stages for i in self.stage_layers(s)]
+        return ", ".join(f"{i}: {_layer_name(self.specs[i])}" for i in layers[:6]) + (
+            ", ..." if len(layers) > 6 else ""
         )
 
     def local_layer(self, idx: int) -> nn.Module | None:
