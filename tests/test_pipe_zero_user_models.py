@@ -125,6 +125,14 @@ class Head(nn.Module):
         return self.out(torch.tanh(self.mix(h)).mean(1))
 
 
+class DictHead(Head):
+    """The head as Hugging Face models answer: a dict of outputs."""
+
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        logits = super().forward(h)
+        return {"logits": logits, "probs": logits.softmax(-1)}
+
+
 class TiedEmbed(nn.Module):
     """The tied block: a shared embedding, a norm and a scale buffer that only the first position uses."""
 
@@ -152,13 +160,13 @@ def _tied_head(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h.mean(1), module.tok.weight)
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out, y)
+def _loss(out: torch.Tensor | dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out["logits"] if isinstance(out, dict) else out, y)
 
 
 def make_pipe(model: str, partition: str = "parameters") -> PipelineModule:
     """``"experts"``, ``"experts_bn"`` (BatchNorm), ``"experts_bn_ac"`` (and activation checkpointing of every
-    layer) or ``"tied"``."""
+    layer), ``"experts_dict"`` (the head answers a dict) or ``"tied"``."""
     if model == "tied":
         layers: list[Any] = [
             TiedLayerSpec("emb", TiedEmbed, tied_weight_attr="tok.weight"),
@@ -170,7 +178,8 @@ def make_pipe(model: str, partition: str = "parameters") -> PipelineModule:
         ]
     else:
         batch_norm = model.startswith("experts_bn")
-        layers = [LayerSpec(Embed), LayerSpec(Block), LayerSpec(Experts), LayerSpec(Norm, batch_norm), LayerSpec(Head)]
+        head = DictHead if model == "experts_dict" else Head
+        layers = [LayerSpec(Embed), LayerSpec(Block), LayerSpec(Experts), LayerSpec(Norm, batch_norm), LayerSpec(head)]
     interval = 1 if model.endswith("_ac") else 0
     return PipelineModule(layers, loss_fn=_loss, partition_method=partition, activation_checkpoint_interval=interval)
 
@@ -389,6 +398,7 @@ def pp2_rank(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     config = PipelineConfig(micro_batches=2 * MICRO, zero_stage=3, schedule="zbv")
     out["bf16"] = _result(*_fit(world, config, precision="bf16-mixed"))
     out["too_few_layers"] = _too_few_layers()
+    out["dict_predict"] = _dict_predict(world)
     out["frozen_stage"] = _frozen_stage_error(world)  # last: the failed fit leaves the process group broken
     return out
 
@@ -412,6 +422,22 @@ def _frozen_stage_error(world: int) -> str:
     except Exception as err:  # noqa: BLE001 - the first stage's rank explains; the other loses its peer
         return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+def _dict_predict(world: int) -> Any:
+    """``trainer.predict`` (no fit) of the model whose head answers a dict, 6 samples in MICRO micro-batches."""
+    from zlightning.strategies import PipelineStrategy
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        strategy=PipelineStrategy(num_stages=2, config=PipelineConfig(micro_batches=MICRO, zero_stage=3)),
+        accelerator="cpu",
+        devices=world,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return trainer.predict(Lit("experts_dict"), DataLoader(TensorDataset(_eval_data()[0]), batch_size=6))
 
 
 def _too_few_layers() -> str:
@@ -578,3 +604,16 @@ def test_a_stage_that_trains_nothing_says_how_to_build_its_optimizer(pp2: list[d
         r"Block are frozen\).*torch.optim.AdamW\(self.parameters\(\), ...\)",
         pp2[0]["frozen_stage"],
     ), pp2[0]["frozen_stage"]
+
+
+def test_predict_of_a_model_answering_a_dict_gives_the_batch_as_one_process(pp2: list[dict[str, Any]]) -> None:
+    """A head returning ``{"logits": ..., "probs": ...}``: ``self.pipe.predict`` gave a list of one dict per
+    micro-batch (the tensors were concatenated only when the output was a bare tensor)."""
+    pipe = make_pipe("experts_dict").build().eval()
+    with torch.no_grad():
+        expected = pipe(_eval_data()[0])
+    for r in pp2:
+        (predicted,) = r["dict_predict"]
+        assert isinstance(predicted, dict) and predicted.keys() == expected.keys(), type(predicted)
+        for key, value in expected.items():
+            torch.testing.assert_close(predicted[key], value, **TOL, msg=key)

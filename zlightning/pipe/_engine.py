@@ -878,9 +878,20 @@ def _zero_fill_shared_grads(params: list[nn.Parameter], group: dist.ProcessGroup
 
 
 def _concat(parts: list[Any]) -> Any:
-    if parts and all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts)
-    return parts
+    """The micro-batches' outputs as the batch's: tensors concatenated along dim 0, also inside tuples, lists and
+    dicts of one layout (a model returning ``{"logits": ..., "probs": ...}`` gives that dict for the whole batch, as
+    in one process; it gave a list of one dict per micro-batch). Outputs that do not join that way (scalars, layouts
+    or trailing shapes that differ between micro-batches) stay the list of the micro-batches' outputs."""
+    if not parts:
+        return parts
+    flat = [flatten(p) for p in parts]
+    skeleton = flat[0][1]
+    try:
+        if any(s != skeleton for _, s in flat) or any(t.dim() == 0 for ts, _ in flat for t in ts) or not flat[0][0]:
+            return parts
+        return unflatten([torch.cat(ts) for ts in zip(*(ts for ts, _ in flat))], skeleton)
+    except (RuntimeError, ValueError, TypeError):  # trailing shapes differ; a leaf whose == is not a bool
+        return parts
 
 
 def _default_device() -> torch.device:
