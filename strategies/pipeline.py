@@ -14,6 +14,17 @@ reduction, global-norm clipping over all stages (``Trainer(gradient_clip_val=...
 once, before the step. Validation, test and prediction use the inference schedule (``batch_loss`` under no-grad,
 ``self.pipe.predict(inputs)``).
 
+[Note: clipping before the step]
+The tied and data-parallel reductions run once per optimizer step, after the schedule's backwards (a ZeRO-0/1
+replica holds only its own micro-batches' gradients until then). In automatic optimization Lightning clips inside the
+step, after them. With manual optimization the LightningModule calls ``self.clip_gradients(opt, ...)`` after
+``manual_backward`` and before ``opt.step()``, as it would under DDP, whose backward has reduced already: here it
+clipped the local gradients by their local norm, and the step then averaged the clipped gradients (on DP2 x PP2 with
+ZeRO-0/1 the run left one process's from the first step on). ``clip_gradients`` now reduces first, once per step
+(``_reduce_once``), and the step does not reduce again; ZeRO-2/3 were right already (their backward
+reduce-scatters), and the fp16 unscale still happens in the step only, so manual clipping under ``"16-mixed"`` sees
+scaled gradients.
+
 [Note: the stage exists from the setup hook on]
 The engine (and so this rank's stage) is built in ``setup_environment``, right after the process group, not in
 ``setup``: Lightning calls the LightningModule's ``setup(stage)`` and ``configure_model`` hooks in between, and code
@@ -63,6 +74,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 from zlightning.strategies._base import LaunchedParallelStrategy
 from zlightning.strategies._groups import metrics_to_group
@@ -114,6 +126,8 @@ class PipelinePrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.engine: PipelineEngine | None = None
         self._overflow = False
+        self._reduced = False
+        """Whether this step's gradients are reduced already; see [Note: clipping before the step]."""
 
     def _engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -130,10 +144,19 @@ class PipelinePrecision(Precision):
         else:
             yield
 
+    def gradients_changed(self) -> None:
+        """A backward added gradients: they need the reduction before anything reads them."""
+        self._reduced = False
+
+    def _reduce_once(self) -> None:
+        if not self._reduced:
+            self._engine().reduce_gradients()
+            self._reduced = True
+
     @override
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         result = closure()
-        self._engine().reduce_gradients()
+        self._reduce_once()
         self._overflow = self._engine().unscale_and_check()  # fp16 only; False otherwise
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
         self._engine().before_step()
@@ -144,17 +167,29 @@ class PipelinePrecision(Precision):
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         engine = self._engine()
-        if engine.scaler is None:
-            out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
-            engine.after_step()
-            return out
-        # fp16: the closure runs first (as Lightning's MixedPrecision does) so that an overflow skips the step
-        result = self._wrap_closure(model, optimizer, closure)
-        if not self._overflow:
-            optimizer.step(**kwargs)
-            engine.after_step()
-        engine.update_scale(self._overflow)
-        return result
+        try:
+            if engine.scaler is None:
+                out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
+                engine.after_step()
+                return out
+            # fp16: the closure runs first (as Lightning's MixedPrecision does) so that an overflow skips the step
+            result = self._wrap_closure(model, optimizer, closure)
+            if not self._overflow:
+                optimizer.step(**kwargs)
+                engine.after_step()
+            engine.update_scale(self._overflow)
+            return result
+        finally:
+            self._reduced = False
+
+    @override
+    def clip_gradients(
+        self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM
+    ) -> None:
+        """Lightning's clipping, on the reduced gradients; see [Note: clipping before the step]."""
+        if clip_val > 0:
+            self._reduce_once()
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
@@ -365,6 +400,8 @@ class PipelineStrategy(LaunchedParallelStrategy):
         self.precision_plugin.pre_backward(closure_loss, module)
         if self.engine is not None:
             self.engine.restore_gradients()
+        if isinstance(self.precision_plugin, PipelinePrecision):
+            self.precision_plugin.gradients_changed()
         self.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
 

@@ -210,8 +210,10 @@ def replica_share(t: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- reference
-def one_process(model: str, epochs: int = 1, dp: int = 2) -> tuple[list[float], PipelineModule]:
-    """Each optimizer step: ACCUM global batches, each replica's share in MICRO micro-batches (the pipeline's
+def one_process(
+    model: str, epochs: int = 1, dp: int = 2, accumulate: int = ACCUM
+) -> tuple[list[float], PipelineModule]:
+    """Each optimizer step: ``accumulate`` global batches, each replica's share in MICRO micro-batches (the pipeline's
     micro-batches), replica gradients averaged (a parameter no replica used keeps no gradient), clipped, AdamW,
     StepLR. Returns the loss of every batch and the trained model."""
     pipe = make_pipe(model).build()
@@ -219,15 +221,15 @@ def one_process(model: str, epochs: int = 1, dp: int = 2) -> tuple[list[float], 
     ids, y = dataset()
     batches = list(zip(ids.split(GLOBAL_BATCH), y.split(GLOBAL_BATCH))) * epochs
     losses: list[float] = []
-    for step in range(len(batches) // ACCUM):
-        window = batches[step * ACCUM : (step + 1) * ACCUM]
+    for step in range(len(batches) // accumulate):
+        window = batches[step * accumulate : (step + 1) * accumulate]
         total: dict[str, torch.Tensor] = {}
-        window_losses = [0.0] * ACCUM
+        window_losses = [0.0] * accumulate
         for d in range(dp):
             for a, (x, t) in enumerate(window):
                 for xm, tm in zip(x.chunk(dp)[d].chunk(MICRO), t.chunk(dp)[d].chunk(MICRO)):
                     loss = pipe.compute_loss(pipe(xm), tm)
-                    (loss / (MICRO * ACCUM)).backward()
+                    (loss / (MICRO * accumulate)).backward()
                     window_losses[a] += float(loss.detach()) / (MICRO * dp)
             for n, p in pipe.named_parameters():
                 if p.grad is not None:
@@ -313,15 +315,13 @@ def _fit(
         strategy=PipelineStrategy(num_stages=2, config=config),
         accelerator="cpu",
         devices=world,
-        accumulate_grad_batches=ACCUM,
-        gradient_clip_val=CLIP,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,  # each replica reads its part of every global batch, as the reference
-        **{"max_epochs": 1, **kw},
+        **{"max_epochs": 1, "accumulate_grad_batches": ACCUM, "gradient_clip_val": CLIP, **kw},
     )
     ids, y = dataset()
     loader = DataLoader(
@@ -344,6 +344,25 @@ def _state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
 
 def _result(module: Lit, trainer: pl.Trainer) -> dict[str, Any]:
     return {"losses": list(module.losses), "state": _state(trainer)}
+
+
+class ManualLit(Lit):
+    """Manual optimization as a GAN or RL step writes it: ``manual_backward``, ``self.clip_gradients``, step."""
+
+    def __init__(self, model: str, partition: str = "parameters") -> None:
+        super().__init__(model, partition)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = self.pipe.batch_loss(tuple(batch))
+        self.losses.append(float(loss))
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")  # type: ignore[arg-type]
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()  # type: ignore[union-attr]
+        return loss
 
 
 DP2_RUNS = {
@@ -374,6 +393,10 @@ def dp2_rank(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     for key, (model, partition, zero, schedule) in DP2_RUNS.items():
         config = PipelineConfig(micro_batches=MICRO, zero_stage=zero, schedule=schedule)
         out[key] = _result(*_fit(world, config, model, partition))
+    for zero in (1, 3):  # manual optimization: clipping before the step
+        config = PipelineConfig(micro_batches=MICRO, zero_stage=zero)
+        manual = _fit(world, config, lit=ManualLit, accumulate_grad_batches=1, gradient_clip_val=None)
+        out[f"manual_zero{zero}"] = _result(*manual)
     return out
 
 
@@ -475,6 +498,18 @@ def test_dp2_pp2_fit_matches_one_process(dp2: list[dict[str, Any]], key: str) ->
         torch.testing.assert_close(r[key]["losses"], losses, **TOL)
     seen = None if model == "tied" else int(pipe.get_buffer(SEEN)) // 2  # each replica counts its own
     check_states([r[key]["state"] for r in dp2], expected_state(pipe, seen))
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_manual_optimization_clips_the_reduced_gradients(dp2: list[dict[str, Any]], zero: int) -> None:
+    """``self.clip_gradients`` between ``manual_backward`` and ``opt.step()``: under ZeRO-0/1 it clipped each
+    replica's own gradients by their own norm before the step averaged them (see [Note: clipping before the step] in
+    ``strategies/pipeline.py``)."""
+    losses, pipe = one_process("experts", accumulate=1)
+    key = f"manual_zero{zero}"
+    for r in dp2:
+        torch.testing.assert_close(r[key]["losses"], losses, **TOL)
+    check_states([r[key]["state"] for r in dp2], expected_state(pipe, int(pipe.get_buffer(SEEN)) // 2))
 
 
 @pytest.mark.parametrize("model,zero,schedule", PP2_RUNS)
