@@ -22,8 +22,9 @@ step, after them. With manual optimization the LightningModule calls ``self.clip
 clipped the local gradients by their local norm, and the step then averaged the clipped gradients (on DP2 x PP2 with
 ZeRO-0/1 the run left one process's from the first step on). ``clip_gradients`` now reduces first, once per step
 (``_reduce_once``), and the step does not reduce again; ZeRO-2/3 were right already (their backward
-reduce-scatters), and the fp16 unscale still happens in the step only, so manual clipping under ``"16-mixed"`` sees
-scaled gradients.
+reduce-scatters). Under ``"16-mixed"`` the gradients are also unscaled (and checked for overflow) there, once: clipping
+gradients still multiplied by the loss scale clipped them by a norm the scale times too large, so the step then
+applied gradients shrunk by up to the scale.
 
 [Note: the stage exists from the setup hook on]
 The engine (and so this rank's stage) is built in ``setup_environment``, right after the process group, not in
@@ -127,7 +128,8 @@ class PipelinePrecision(Precision):
         self.engine: PipelineEngine | None = None
         self._overflow = False
         self._reduced = False
-        """Whether this step's gradients are reduced already; see [Note: clipping before the step]."""
+        """Whether this step's gradients are reduced (and, under fp16, unscaled) already; see [Note: clipping before
+        the step]."""
 
     def _engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -151,13 +153,13 @@ class PipelinePrecision(Precision):
     def _reduce_once(self) -> None:
         if not self._reduced:
             self._engine().reduce_gradients()
+            self._overflow = self._engine().unscale_and_check()  # fp16 only; False otherwise
             self._reduced = True
 
     @override
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         result = closure()
         self._reduce_once()
-        self._overflow = self._engine().unscale_and_check()  # fp16 only; False otherwise
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
         self._engine().before_step()
         return result

@@ -397,6 +397,25 @@ def dp2_rank(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         config = PipelineConfig(micro_batches=MICRO, zero_stage=zero)
         manual = _fit(world, config, lit=ManualLit, accumulate_grad_batches=1, gradient_clip_val=None)
         out[f"manual_zero{zero}"] = _result(*manual)
+    out.update(_fp16_manual_and_automatic(world))
+    return out
+
+
+def _fp16_manual_and_automatic(world: int) -> dict[str, Any]:
+    """Real fp16 autocast (the plugin: ``Trainer(precision="16-mixed")`` is bf16 on CPU) with a fixed loss scale of
+    1024, ZeRO-3, one batch per step: clipped by ``self.clip_gradients`` (manual) and by the Trainer (automatic)."""
+    from zlightning.strategies import PipelinePrecision
+
+    from zlightning.zero import LossScalerConfig
+
+    config = PipelineConfig(micro_batches=MICRO, zero_stage=3, loss_scaler=LossScalerConfig(initial_scale_power=10))
+    out = {}
+    for key, lit, clip in (("fp16_manual", ManualLit, None), ("fp16_automatic", Lit, CLIP)):
+        plugins = [PipelinePrecision("16-mixed")]
+        module, trainer = _fit(
+            world, config, lit=lit, accumulate_grad_batches=1, gradient_clip_val=clip, plugins=plugins
+        )
+        out[key] = {**_result(module, trainer), "scale": trainer.strategy.engine.loss_scale}  # type: ignore[attr-defined]
     return out
 
 
@@ -510,6 +529,17 @@ def test_manual_optimization_clips_the_reduced_gradients(dp2: list[dict[str, Any
     for r in dp2:
         torch.testing.assert_close(r[key]["losses"], losses, **TOL)
     check_states([r[key]["state"] for r in dp2], expected_state(pipe, int(pipe.get_buffer(SEEN)) // 2))
+
+
+def test_manual_optimization_under_fp16_clips_unscaled_gradients(dp2: list[dict[str, Any]]) -> None:
+    """Under ``"16-mixed"`` ``self.clip_gradients`` clipped gradients still multiplied by the loss scale (1024), so
+    the step applied them shrunk by up to that factor; now it clips what the automatic loop clips."""
+    for r in dp2:
+        assert r["fp16_manual"]["scale"] == r["fp16_automatic"]["scale"] == 1024.0  # no overflow, no skipped step
+        torch.testing.assert_close(r["fp16_manual"]["losses"], r["fp16_automatic"]["losses"], **TOL)
+    check_states(
+        [r["fp16_manual"]["state"] for r in dp2], {k: v for r in dp2 for k, v in r["fp16_automatic"]["state"].items()}
+    )
 
 
 @pytest.mark.parametrize("model,zero,schedule", PP2_RUNS)
