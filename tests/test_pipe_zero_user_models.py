@@ -11,18 +11,23 @@ model ties an embedding block (a norm and a buffer beside the shared weight) bet
 
 DP2 x PP2 (4 ranks, one spawn): ZeRO-3 under 1F1B (validation in the middle of an accumulation window; then
 validate, test and predict; ``trainer.save_checkpoint`` and a resumed second epoch), ZeRO-2 under ``zb_h1``, ZeRO-3
-under ``zbv``, ZeRO-1 under 1F1B, and the tied model under ZeRO-3 with ``zbv`` and with 1F1B on a split by
-parameters. PP2 (2 ranks, one spawn): BatchNorm under ZeRO-3 / ``zbv`` and ZeRO-2 / ``zb_h1``, also with activation
-checkpointing of every layer (and under 1F1B); the DP2 x PP2
-ZeRO-3 checkpoint resumed on one replica (twice the micro-batches, the same ones); bf16-mixed under ZeRO-3 / ``zbv``
-(losses within 3e-2). The checkpoint also consolidates into the one-process model.
+under ``zbv``, ZeRO-1 under 1F1B, the tied model under ZeRO-3 with ``zbv`` and with 1F1B on a split by parameters,
+manual optimization (``self.clip_gradients`` before ``opt.step()``) under ZeRO-1 and ZeRO-3, and under real fp16
+against the automatic loop. PP2 (2 ranks, one spawn): BatchNorm under ZeRO-3 / ``zbv`` and ZeRO-2 / ``zb_h1``, also
+with activation checkpointing of every layer (and under 1F1B); the DP2 x PP2 ZeRO-3 checkpoint resumed on one
+replica (twice the micro-batches, the same ones); bf16-mixed under ZeRO-3 / ``zbv`` (losses within 3e-2); predict
+of a head answering a dict; and errors that must say what to write instead. The checkpoint also consolidates into
+the one-process model.
 
-Found here: under ZeRO-0/1 on several replicas the data-parallel all-reduce packed only the gradients a replica
-held, so an expert used by one replica's samples and not the other's gave messages of different sizes and gloo
-aborted the run (see [Note: a gradient on some replicas only] in ``zlightning/pipe/_engine.py``); with activation
-checkpointing a zero-bubble schedule's split backward recomputed a checkpointed stage's forward four times per
-micro-batch instead of once, so BatchNorm's running statistics (and the forward counter) moved five times per
-micro-batch (see [Note: checkpointed stages backpropagate whole] in ``zlightning/pipe/_executor.py``).
+Found here (each test's docstring says what failed before): ZeRO-0/1 replicas packing different gradient lists when
+an expert got samples on one replica only (gloo aborted; [Note: a gradient on some replicas only] in
+``zlightning/pipe/_engine.py``); zero-bubble split backwards recomputing checkpointed stages four times ([Note:
+checkpointed stages backpropagate whole] in ``zlightning/pipe/_executor.py``); manual-optimization clipping before
+the reduction and before the fp16 unscale ([Note: clipping before the step] in ``strategies/pipeline.py``); predict
+of dict outputs as a list per micro-batch; a module instance on two stages trained as two copies ([Note: a module
+instance at several positions] in ``zlightning/pipe/_module.py``); unclear errors for a missing
+``tied_weight_attr``, a lazy layer, too few layers for two chunks per rank, a stage that trains nothing given only
+trainable parameters, and config values that cannot work.
 """
 
 from __future__ import annotations
