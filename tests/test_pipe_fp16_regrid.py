@@ -3,8 +3,9 @@
 Loss scaling: DP2 x PP2 (ZeRO-1) with a loss scaler whose scale changes during the run, against a one-process loop
 running the same ``DynamicLossScaler`` logic (fp32 compute, so powers-of-two scaling is exact and parity is tight);
 an inf injected into one parameter's gradient on ONE rank (stage 0, replica 1) must make all four ranks skip the
-step, keep their weights and halve the scale; the scaler state survives a checkpoint. Then Lightning with
-``precision="16-mixed"`` (real fp16 autocast on CPU) against the same loop under fp16 autocast.
+step, keep their weights and halve the scale; the scaler state survives a checkpoint. Then Lightning with the
+strategy's ``PipelinePrecision("16-mixed")`` plugin (real fp16 autocast on CPU: ``Trainer(precision="16-mixed")``
+becomes bf16-mixed on CPU, Lightning's own rule) against the same loop under fp16 autocast.
 
 ZB-H1 (weight gradients in deferred W actions) runs the same loss-scaled steps with the same result.
 
@@ -173,7 +174,7 @@ def _pl_ids() -> torch.Tensor:
 
 
 def rank_lightning_fp16(world: int) -> dict[str, Any]:
-    from zlightning.strategies import PipelineStrategy
+    from zlightning.strategies import PipelinePrecision, PipelineStrategy
 
     pl.seed_everything(0, verbose=False)
     module = Fp16GPT()
@@ -188,7 +189,7 @@ def rank_lightning_fp16(world: int) -> dict[str, Any]:
         accelerator="cpu",
         devices=world,
         max_epochs=1,
-        precision="16-mixed",
+        plugins=[PipelinePrecision("16-mixed")],  # real fp16 on CPU (precision="16-mixed" would become bf16 there)
         gradient_clip_val=CLIP,
         logger=False,
         enable_checkpointing=False,
