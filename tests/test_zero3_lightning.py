@@ -83,14 +83,20 @@ def test_checkpoint_resume_is_exact(tmp_path: Any, kind: str) -> None:
 
 
 def _precision(rank: int, world: int, precision: str) -> dict[str, Any]:
+    from zlightning.strategies import ZeroPrecision
+
     pl.seed_everything(0, verbose=False)
     module = TinyGPTModule(lr=3e-3)
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    _trainer(max_steps=6, precision=precision, gradient_clip_val=1.0).fit(module, loader(8, 2, world))
+    # on CPU Lightning turns precision="16-mixed" into bf16-mixed: the strategy's plugin keeps fp16
+    setting: dict[str, Any] = {"plugins": [ZeroPrecision("16-mixed")]} if precision == "16-mixed" else {}
+    trainer = _trainer(max_steps=6, precision=precision if not setting else None, gradient_clip_val=1.0, **setting)
+    trainer.fit(module, loader(8, 2, world))
     after = state_after_fit(module)
     changed = all(not torch.equal(v, before[k]) for k, v in after.items())
     dtypes = {str(v.dtype) for v in after.values()}
-    return {"losses": module.losses, "changed": changed, "dtypes": dtypes}
+    used = trainer.strategy.precision_plugin.precision
+    return {"losses": module.losses, "changed": changed, "dtypes": dtypes, "precision": used}
 
 
 def test_mixed_precision_trains_with_fp32_masters() -> None:
@@ -98,6 +104,7 @@ def test_mixed_precision_trains_with_fp32_masters() -> None:
     for precision in ("bf16-mixed", "16-mixed"):
         out = run_distributed(_precision, WORLD, precision, init_process_group=False, timeout=300)
         for r, f in zip(out, ref):
+            assert r["precision"] == precision, (r["precision"], precision)
             assert r["changed"] and r["dtypes"] == {"torch.float32"}, precision
             assert all(torch.isfinite(torch.tensor(r["losses"])))
             torch.testing.assert_close(r["losses"], f["losses"], rtol=0.0, atol=5e-2, msg=precision)
