@@ -25,6 +25,15 @@ them), or starts the next epoch if the saved one was complete: Lightning creates
 moves its epoch counter on. If Lightning is already in another epoch (a run stopped by ``max_steps`` counts its
 epoch as completed), the pass starts that epoch.
 
+[Note: resuming on another number of ranks]
+A ``DistributedSampler`` over ``R`` replicas deals one permutation of the dataset (seeded by seed and epoch, whatever
+``R``) round-robin: replica ``r``'s ``j``-th sample is position ``r + j * R``. After every replica trained ``k``
+samples, positions ``[0, k * R)`` are trained, nothing else. The state therefore records that global count ``S``
+(micro-batches x ``batch_size`` x replicas), and a restore on ``R'`` replicas skips ``S / R'`` samples on each:
+counting the checkpoint's micro-batches per replica instead would retrain (fewer replicas) or skip (more) samples
+of the epoch. When ``R'`` does not divide ``S`` the skip rounds down: fewer than ``R'`` samples are trained again,
+with a warning.
+
 [Note: data-only hyper-parameters]
 Lightning writes the data module's hyper-parameters into every checkpoint and, since 2.6, loads checkpoints with
 ``torch.load(weights_only=True)``, which refuses any class it does not know. With the `HybridCPConfig` object in
@@ -42,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from typing_extensions import override
@@ -135,8 +145,8 @@ class _EpochLoader:
     """Iterates a ``DataLoader`` over a ``DistributedSampler``, setting the epoch (and skipping trained
     micro-batches) on every pass. See [Note: epochs and resume].
 
-    ``start()`` gives the pass's epoch and the micro-batches of it to skip; a None epoch (no Trainer): passes are
-    counted.
+    ``start()`` gives the pass's epoch and the samples of it to skip on this replica; a None epoch (no Trainer):
+    passes are counted.
     """
 
     def __init__(
@@ -156,7 +166,7 @@ class _EpochLoader:
         epoch, skip = self.start()
         epoch = self.epoch if epoch is None else epoch
         self.sampler.set_epoch(epoch)
-        self.skipping.skip = skip * int(self.loader.batch_size or 1)
+        self.skipping.skip = skip
         self.epoch = epoch + 1
         return iter(self.loader)
 
@@ -201,7 +211,8 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         self.hybrid_cp = hybrid_cp
         self.pad_multiple = pad_multiple
         self.hparams["hybrid_cp"] = _describe(hybrid_cp)  # See [Note: data-only hyper-parameters].
-        self._resume: tuple[int, int, bool] | None = None  # See [Note: epochs and resume].
+        self._resume: tuple[int, int, bool, int | None] | None = None  # See [Note: epochs and resume].
+        self._replicas: int | None = None  # data replicas of the running loader (world size // cp_size)
 
     @override
     def train_dataloader(self) -> HybridCPDataLoaderWrapper:  # type: ignore[override]
@@ -237,6 +248,7 @@ class HybridCPTextDataModule(TextCorpusDataModule):
                 f"choose seq_len a multiple of {multiple}"
             )
         docs = PackedDocumentDataset(dataset, multiple)
+        self._replicas = world // cp
         sampler: DistributedSampler[Any] = DistributedSampler(
             docs, num_replicas=world // cp, rank=rank // cp, shuffle=True, seed=self.config.seed, drop_last=True
         )
@@ -252,19 +264,33 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler, skipping, self._epoch_start), self.hybrid_cp)
 
     def _epoch_start(self) -> tuple[int | None, int]:
-        """The epoch of the loader's next pass and the micro-batches of it already trained. See [Note: epochs and
-        resume]."""
+        """The epoch of the loader's next pass and the samples of it this replica already trained. See [Note: epochs
+        and resume] and [Note: resuming on another number of ranks]."""
         trainer = self.trainer
         if trainer is None:
             return None, 0
         resume, self._resume = self._resume, None
         if resume is not None:
-            epoch, batches, done = resume
+            epoch, batches, done, samples = resume
             if done:
                 return epoch + 1, 0
             if trainer.current_epoch == epoch:
-                return epoch, batches
+                return epoch, self._replica_skip(batches, samples)
         return int(trainer.current_epoch), 0
+
+    def _replica_skip(self, batches: int, samples: int | None) -> int:
+        """Samples of the epoch each replica skips: the saved global count over this run's replicas (a state without
+        it, written before it was saved, counts micro-batches on the same number of replicas)."""
+        replicas = self._replicas or 1
+        if samples is None:
+            return batches * self.config.batch_size
+        if samples % replicas:
+            rank_zero_warn(
+                f"HybridCPTextDataModule: the checkpoint's epoch had {samples} samples trained, which {replicas} data "
+                f"replicas cannot split evenly; each skips {samples // replicas}, so {samples % replicas} of them are "
+                f"trained again. Resume on a number of replicas that divides {samples} to avoid it."
+            )
+        return samples // replicas
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -275,10 +301,18 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         current = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker (typed as its base)
         batches = int(current.processed)  # type: ignore[attr-defined]
         done = batches >= trainer.num_training_batches
-        return {"epoch": int(trainer.current_epoch), "batches": batches, "done": bool(done)}
+        replicas = self._replicas or dist.get_world_size() // self.hybrid_cp.cp_size
+        samples = batches * self.config.batch_size * replicas  # See [Note: resuming on another number of ranks].
+        return {"epoch": int(trainer.current_epoch), "batches": batches, "done": bool(done), "samples": samples}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores `state_dict` output; applied when the training loader's next pass starts."""
         if state_dict:
-            self._resume = (int(state_dict["epoch"]), int(state_dict["batches"]), bool(state_dict["done"]))
+            samples = state_dict.get("samples")
+            self._resume = (
+                int(state_dict["epoch"]),
+                int(state_dict["batches"]),
+                bool(state_dict["done"]),
+                None if samples is None else int(samples),
+            )

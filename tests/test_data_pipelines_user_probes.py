@@ -1,0 +1,135 @@
+"""The hybrid-CP and curriculum data pipelines probed with data shapes, grids and resumes the other tests do not use.
+
+Each test here failed before the fix it names (see the git log); the multi-rank runs are shared through
+module-scoped fixtures so the file stays short to run on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
+from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPTextDataModule, PackedDocumentDataset
+
+from tests.test_hybrid_cp_lightning import _write_corpus
+from zlightning.testing import run_distributed
+
+# ------------------------------------------------------------------------------------------------- hybrid CP
+
+
+def _hybrid_cp_datamodule(root: str) -> HybridCPTextDataModule:
+    # max_seqlen_per_rank = seq_len: one rank can hold every piece, so the same data runs on 1 or 2 ranks
+    return HybridCPTextDataModule(
+        hybrid_cp=HybridCPConfig(max_seqlen_per_rank=32),
+        data_dir=root,
+        pattern="*.txt",
+        seq_len=32,
+        batch_size=2,
+        val_fraction=0.2,
+        max_bytes=None,
+        seed=5,
+    )
+
+
+class PieceRecorder(pl.LightningModule):
+    """Records each step's sub-samples as their real tokens (padding, which depends on the world size, removed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.seen: list[tuple[int, list[tuple[int, ...]]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        pieces = [tuple(s.data["tokens"][s.data["loss_mask"] > 0].tolist()) for s in batch.sub_samples]
+        self.seen.append((self.global_step, pieces))
+        return (self.w * 0.0).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit_pieces(root: str, devices: int, ckpt: str | None = None, callbacks: list[Any] | None = None) -> list[Any]:
+    model = PieceRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=callbacks is not None,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        max_epochs=1,
+    )
+    trainer.fit(model, datamodule=_hybrid_cp_datamodule(root), ckpt_path=ckpt)
+    return model.seen
+
+
+def _two_rank_epoch_with_checkpoints(rank: int, world: int, root: str) -> list[Any]:
+    every_step = ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
+    return _fit_pieces(root, world, callbacks=[every_step])
+
+
+def _resume_on_one_rank(rank: int, world: int, root: str) -> list[Any]:
+    return _fit_pieces(root, world, ckpt=f"{root}/ck/epoch=0-step=2.ckpt")
+
+
+@pytest.fixture(scope="module")
+def hybrid_cp_resume_on_fewer_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any], list[Any]]:
+    root = tmp_path_factory.mktemp("hcp_resume")
+    _write_corpus(root)
+    two = run_distributed(_two_rank_epoch_with_checkpoints, 2, str(root), init_process_group=False, timeout=240)
+    one = run_distributed(_resume_on_one_rank, 1, str(root), init_process_group=False, timeout=240)[0]
+    return root, two, one
+
+
+def _pieces_of_windows(root: Path, positions: slice) -> list[Counter[tuple[int, ...]]]:
+    """The real-token pieces of each 2-window micro-batch of a 1-replica epoch 0, at the given sampler positions."""
+    dm = _hybrid_cp_datamodule(str(root))
+    dm.setup("fit")
+    assert dm.train_dataset is not None
+    docs = PackedDocumentDataset(dm.train_dataset, 2)
+    sampler = DistributedSampler(docs, num_replicas=1, rank=0, shuffle=True, seed=5, drop_last=True)
+    order = list(sampler)[positions]
+    batches = []
+    for start in range(0, len(order) - 1, 2):  # the loader's batch_size=2, drop_last=True
+        pieces: Counter[tuple[int, ...]] = Counter()
+        for i in order[start : start + 2]:
+            sample = docs[i]
+            cu = sample["cu_seqlens"].tolist()
+            for lo, hi in zip(cu[:-1], cu[1:]):
+                mask = sample["loss_mask"][lo:hi] > 0
+                pieces[tuple(sample["tokens"][lo:hi][mask].tolist())] += 1
+        batches.append(pieces)
+    return batches
+
+
+def test_hybrid_cp_mid_epoch_checkpoint_resumes_on_fewer_ranks_without_retraining_samples(
+    hybrid_cp_resume_on_fewer_ranks: tuple[Path, list[Any], list[Any]],
+) -> None:
+    """HybridCPTextDataModule saved how many micro-batches each rank had trained in its epoch, and a restore skipped
+    that many on each rank of the new run: a checkpoint of 2 ranks at step 2 (8 windows of the epoch's permutation
+    trained) resumed on 1 rank skipped 4 windows only, and trained 4 again (8 of their document pieces). The state now
+    holds the epoch's global sample count, which a restore divides by its own replicas: the resumed run trains
+    exactly the permutation's windows from position 8 on, micro-batch by micro-batch."""
+    root, two, one = hybrid_cp_resume_on_fewer_ranks
+    trained: Counter[tuple[int, ...]] = Counter()
+    for seen in two:
+        for step, pieces in seen:
+            if step < 2:
+                trained.update(pieces)
+    assert sum(trained.values()) > 0
+    expected_first = _pieces_of_windows(root, slice(0, 8))  # the 2-rank run's first two steps: positions 0..7
+    assert trained == sum(expected_first, Counter())
+    expected = _pieces_of_windows(root, slice(8, None))
+    assert [step for step, _ in one] == list(range(2, 2 + len(expected)))
+    assert [Counter(pieces) for _, pieces in one] == expected
