@@ -55,7 +55,9 @@ class PieceRecorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit_pieces(root: str, devices: int, ckpt: str | None = None, callbacks: list[Any] | None = None) -> list[Any]:
+def _fit_pieces(
+    root: str, devices: int, ckpt: str | None = None, callbacks: list[Any] | None = None, max_epochs: int = 1
+) -> list[Any]:
     model = PieceRecorder()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -68,23 +70,32 @@ def _fit_pieces(root: str, devices: int, ckpt: str | None = None, callbacks: lis
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        max_epochs=1,
+        max_epochs=max_epochs,
     )
     trainer.fit(model, datamodule=_hybrid_cp_datamodule(root), ckpt_path=ckpt)
     return model.seen
 
 
+def _every_step(folder: str) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
+
+
 def _two_rank_epoch_with_checkpoints(rank: int, world: int, root: str) -> list[Any]:
-    every_step = ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
-    return _fit_pieces(root, world, callbacks=[every_step])
+    return _fit_pieces(root, world, callbacks=[_every_step(f"{root}/ck")])
 
 
-def _resume_on_one_rank(rank: int, world: int, root: str) -> list[Any]:
-    return _fit_pieces(root, world, ckpt=f"{root}/ck/epoch=0-step=2.ckpt")
+def _resume_on_one_rank(rank: int, world: int, root: str) -> dict[str, list[Any]]:
+    # from the 2-rank run's step 2, then from this run's own checkpoints: mid-epoch and at the epoch's last batch
+    runs = {"from two": _fit_pieces(root, world, f"{root}/ck/epoch=0-step=2.ckpt", [_every_step(f"{root}/ck1")], 2)}
+    for name in ("epoch=0-step=5", "epoch=0-step=10"):
+        runs[name] = _fit_pieces(root, world, f"{root}/ck1/{name}.ckpt", max_epochs=2)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def hybrid_cp_resume_on_fewer_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any], list[Any]]:
+def hybrid_cp_resume_on_fewer_ranks(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, list[Any], dict[str, list[Any]]]:
     root = tmp_path_factory.mktemp("hcp_resume")
     _write_corpus(root)
     two = run_distributed(_two_rank_epoch_with_checkpoints, 2, str(root), init_process_group=False, timeout=240)
@@ -92,13 +103,14 @@ def hybrid_cp_resume_on_fewer_ranks(tmp_path_factory: pytest.TempPathFactory) ->
     return root, two, one
 
 
-def _pieces_of_windows(root: Path, positions: slice) -> list[Counter[tuple[int, ...]]]:
-    """The real-token pieces of each 2-window micro-batch of a 1-replica epoch 0, at the given sampler positions."""
+def _pieces_of_windows(root: Path, positions: slice, epoch: int = 0) -> list[Counter[tuple[int, ...]]]:
+    """The real-token pieces of each 2-window micro-batch of a 1-replica epoch, at the given sampler positions."""
     dm = _hybrid_cp_datamodule(str(root))
     dm.setup("fit")
     assert dm.train_dataset is not None
     docs = PackedDocumentDataset(dm.train_dataset, 2)
     sampler = DistributedSampler(docs, num_replicas=1, rank=0, shuffle=True, seed=5, drop_last=True)
+    sampler.set_epoch(epoch)
     order = list(sampler)[positions]
     batches = []
     for start in range(0, len(order) - 1, 2):  # the loader's batch_size=2, drop_last=True
@@ -114,22 +126,35 @@ def _pieces_of_windows(root: Path, positions: slice) -> list[Counter[tuple[int, 
 
 
 def test_hybrid_cp_mid_epoch_checkpoint_resumes_on_fewer_ranks_without_retraining_samples(
-    hybrid_cp_resume_on_fewer_ranks: tuple[Path, list[Any], list[Any]],
+    hybrid_cp_resume_on_fewer_ranks: tuple[Path, list[Any], dict[str, list[Any]]],
 ) -> None:
     """HybridCPTextDataModule saved how many micro-batches each rank had trained in its epoch, and a restore skipped
     that many on each rank of the new run: a checkpoint of 2 ranks at step 2 (8 windows of the epoch's permutation
     trained) resumed on 1 rank skipped 4 windows only, and trained 4 again (8 of their document pieces). The state now
     holds the epoch's global sample count, which a restore divides by its own replicas: the resumed run trains
-    exactly the permutation's windows from position 8 on, micro-batch by micro-batch."""
+    exactly the permutation's windows from position 8 on, micro-batch by micro-batch, then epoch 1 in full."""
     root, two, one = hybrid_cp_resume_on_fewer_ranks
     trained: Counter[tuple[int, ...]] = Counter()
     for seen in two:
         for step, pieces in seen:
             if step < 2:
                 trained.update(pieces)
-    assert sum(trained.values()) > 0
-    expected_first = _pieces_of_windows(root, slice(0, 8))  # the 2-rank run's first two steps: positions 0..7
-    assert trained == sum(expected_first, Counter())
-    expected = _pieces_of_windows(root, slice(8, None))
-    assert [step for step, _ in one] == list(range(2, 2 + len(expected)))
-    assert [Counter(pieces) for _, pieces in one] == expected
+    assert trained == sum(_pieces_of_windows(root, slice(0, 8)), Counter())  # the 2-rank run's steps 0, 1
+    expected = _pieces_of_windows(root, slice(8, None)) + _pieces_of_windows(root, slice(None), epoch=1)
+    resumed = one["from two"]
+    assert [step for step, _ in resumed] == list(range(2, 2 + len(expected)))
+    assert [Counter(pieces) for _, pieces in resumed] == expected
+
+
+def test_hybrid_cp_epoch_resumed_on_fewer_ranks_resumes_again_exactly(
+    hybrid_cp_resume_on_fewer_ranks: tuple[Path, list[Any], dict[str, list[Any]]],
+) -> None:
+    """After a resume on another number of ranks, Lightning counts the epoch's micro-batches on from the checkpoint's
+    count (2 steps of 2 ranks, counted as 2 of this rank's): the next checkpoint's sample count was short by the
+    difference, so a second resume at step 5 trained 4 samples again, and the epoch's true last micro-batch (step
+    10, before Lightning's count reached the epoch's length) was not its end. The module keeps the difference: both
+    second resumes continue exactly as the first resumed run."""
+    _, _, one = hybrid_cp_resume_on_fewer_ranks
+    resumed = one["from two"]
+    assert one["epoch=0-step=5"] == resumed[3:]
+    assert one["epoch=0-step=10"] == resumed[8:]

@@ -31,8 +31,10 @@ A ``DistributedSampler`` over ``R`` replicas deals one permutation of the datase
 samples, positions ``[0, k * R)`` are trained, nothing else. The state therefore records that global count ``S``
 (micro-batches x ``batch_size`` x replicas), and a restore on ``R'`` replicas skips ``S / R'`` samples on each:
 counting the checkpoint's micro-batches per replica instead would retrain (fewer replicas) or skip (more) samples
-of the epoch. When ``R'`` does not divide ``S`` the skip rounds down: fewer than ``R'`` samples are trained again,
-with a warning.
+of the epoch. Lightning goes on counting the resumed epoch's micro-batches from the checkpoint's count, so the
+module keeps the difference to the true count for the rest of that epoch (a second resume stays exact, and the
+epoch's last micro-batch still counts as its end). When ``R'`` does not divide ``S`` the skip rounds down: fewer
+than ``R'`` samples are trained again, with a warning.
 
 [Note: data-only hyper-parameters]
 Lightning writes the data module's hyper-parameters into every checkpoint and, since 2.6, loads checkpoints with
@@ -213,6 +215,8 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         self.hparams["hybrid_cp"] = _describe(hybrid_cp)  # See [Note: data-only hyper-parameters].
         self._resume: tuple[int, int, bool, int | None] | None = None  # See [Note: epochs and resume].
         self._replicas: int | None = None  # data replicas of the running loader (world size // cp_size)
+        self._epoch_samples = 0  # samples one epoch trains over all replicas
+        self._offset: tuple[int, int] | None = None  # (epoch, true samples - Lightning's count x batch x replicas)
 
     @override
     def train_dataloader(self) -> HybridCPDataLoaderWrapper:  # type: ignore[override]
@@ -261,6 +265,7 @@ class HybridCPTextDataModule(TextCorpusDataModule):
             collate_fn=_as_list,
             num_workers=self.config.num_workers,
         )
+        self._epoch_samples = len(loader) * self.config.batch_size * self._replicas
         return HybridCPDataLoaderWrapper(_EpochLoader(loader, sampler, skipping, self._epoch_start), self.hybrid_cp)
 
     def _epoch_start(self) -> tuple[int | None, int]:
@@ -275,7 +280,10 @@ class HybridCPTextDataModule(TextCorpusDataModule):
             if done:
                 return epoch + 1, 0
             if trainer.current_epoch == epoch:
-                return epoch, self._replica_skip(batches, samples)
+                skip = self._replica_skip(batches, samples)
+                # Lightning goes on counting from the restored micro-batches, in this run's units
+                self._offset = (epoch, (skip - batches * self.config.batch_size) * (self._replicas or 1))
+                return epoch, skip
         return int(trainer.current_epoch), 0
 
     def _replica_skip(self, batches: int, samples: int | None) -> int:
@@ -303,6 +311,9 @@ class HybridCPTextDataModule(TextCorpusDataModule):
         done = batches >= trainer.num_training_batches
         replicas = self._replicas or dist.get_world_size() // self.hybrid_cp.cp_size
         samples = batches * self.config.batch_size * replicas  # See [Note: resuming on another number of ranks].
+        if self._offset is not None and self._offset[0] == trainer.current_epoch:
+            samples += self._offset[1]  # a resumed epoch: Lightning's count started from the checkpoint's
+            done = done or samples >= self._epoch_samples
         return {"epoch": int(trainer.current_epoch), "batches": batches, "done": bool(done), "samples": samples}
 
     @override
