@@ -224,7 +224,9 @@ class HybridCPTextDataModule(TextCorpusDataModule):
 
         Raises:
             RuntimeError: If torch.distributed is not initialised or ``setup`` has not run.
-            ValueError: If the world size is not a multiple of ``hybrid_cp.cp_size``.
+            ValueError: If the world size is not a multiple of ``hybrid_cp.cp_size``, or the ranks together cannot
+                hold a full-window document piece (``max_seqlen_per_rank`` x world size below the padded
+                ``seq_len``).
         """
         dataset = self._require(self.train_dataset, "train_dataloader")
         if not dist.is_available() or not dist.is_initialized():
@@ -252,6 +254,14 @@ class HybridCPTextDataModule(TextCorpusDataModule):
                 f"choose seq_len a multiple of {multiple}"
             )
         docs = PackedDocumentDataset(dataset, multiple)
+        longest, capacity = docs.max_piece_length(), self.hybrid_cp.max_seqlen_per_rank * world
+        if longest > capacity:  # the scheduler would refuse the first batch holding such a piece, possibly much later
+            raise ValueError(
+                f"HybridCPTextDataModule: a document piece can hold up to {longest} tokens (seq_len="
+                f"{self.config.seq_len}, padded to a multiple of {multiple}), but the {world} ranks hold at most "
+                f"{capacity} at hybrid_cp.max_seqlen_per_rank={self.hybrid_cp.max_seqlen_per_rank}; raise "
+                f"max_seqlen_per_rank to at least {-(-longest // world)}, use more ranks, or lower seq_len."
+            )
         self._replicas = world // cp
         sampler: DistributedSampler[Any] = DistributedSampler(
             docs, num_replicas=world // cp, rank=rank // cp, shuffle=True, seed=self.config.seed, drop_last=True
