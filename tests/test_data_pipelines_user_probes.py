@@ -13,12 +13,25 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
-from zlightning.datamodules.hybrid_cp import HybridCPConfig, HybridCPTextDataModule, PackedDocumentDataset
+from zlightning.datamodules.hybrid_cp import (
+    HybridCPConfig,
+    HybridCPDataLoaderWrapper,
+    HybridCPTextDataModule,
+    PackedDocumentDataset,
+    global_token_count,
+    hybrid_cp_forward_backward,
+    unpack_packed_batch,
+)
 
+from examples.gpt_model import GPT, GPTConfig
 from tests.test_hybrid_cp_lightning import _write_corpus
+from zlightning.models.gpt_hybrid_cp import gpt_cp_loss
+from zlightning.parallel import CPShard, HybridCPGroups
 from zlightning.testing import run_distributed
 
 # ------------------------------------------------------------------------------------------------- hybrid CP
@@ -182,3 +195,77 @@ def test_ranks_that_cannot_hold_a_full_window_piece_are_refused_at_the_loader(tm
     for message in out:
         assert "up to 32 tokens" in message and "max_seqlen_per_rank=8" in message, message
         assert "at least 16" in message, message
+
+
+# A user's own packed documents, unpadded: odd lengths, single tokens; every one fits a rank (CP size 1)
+ODD_CFG = GPTConfig(vocab_size=13, seq_len=16, d_model=16, n_layer=1, n_head=2)
+ODD_LENGTHS = [[[3, 1, 5], [7, 2]], [[1, 1, 9], [4]], [[15], [3, 3, 1]]]  # per step: replica 0's samples, then 1's
+
+
+def _odd_batch(replica: int, step: int) -> list[dict[str, Tensor]]:
+    gen = torch.Generator().manual_seed(100 * step + replica)
+    lengths = ODD_LENGTHS[step][replica]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    return [
+        {
+            "cu_seqlens": cu,
+            "tokens": torch.randint(0, ODD_CFG.vocab_size, (total,), generator=gen),
+            "labels": torch.randint(0, ODD_CFG.vocab_size, (total,), generator=gen),
+        }
+    ]
+
+
+def _odd_training(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(ODD_CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    groups = HybridCPGroups.build()
+    batches = [_odd_batch(rank, step) for step in range(len(ODD_LENGTHS))]
+    losses, cp_sizes = [], set()
+    for batch in HybridCPDataLoaderWrapper(batches, HybridCPConfig(max_seqlen_per_rank=16)):
+        num = global_token_count(batch, rank)
+
+        def loss_fn(data: dict[str, Tensor], shard: CPShard) -> Tensor:
+            return gpt_cp_loss(model, data["tokens"], data["labels"], shard, num_tokens=num)
+
+        total = hybrid_cp_forward_backward(batch, groups, loss_fn)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        dist.all_reduce(total)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+        cp_sizes |= {s.cp_size for s in batch.sub_samples}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "cp": cp_sizes}
+
+
+def _odd_reference() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(ODD_CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for step in range(len(ODD_LENGTHS)):
+        subs = [s for d in range(2) for s in unpack_packed_batch(_odd_batch(d, step))]
+        num = sum(s["tokens"].numel() for s in subs)
+        loss = sum(F.cross_entropy(model(s["tokens"][None])[0][0], s["labels"], reduction="sum") / num for s in subs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_unpadded_odd_length_documents_train_at_cp_size_one_as_one_process() -> None:
+    """A sub-sample the scheduler runs on one rank (CP size 1) still went through the zigzag split, which needs its
+    length divisible by 2: a user's own unpadded documents (3 tokens, 1 token) failed in hybrid_cp_forward_backward
+    ('cannot be cut into 2 * cp_size = 2 equal chunks') although no rank shares them. At CP size 1 the shard is now
+    the whole sub-sample: 2 gloo ranks train on odd-length documents exactly as one process on the global batches
+    (losses and parameters after 3 SGD steps, fp32 rtol 1e-5)."""
+    runs = run_distributed(_odd_training, 2, timeout=120)
+    ref = _odd_reference()
+    for run in runs:
+        assert run["cp"] == {1}
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-7)
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(run["params"][name], value, rtol=1e-5, atol=1e-6)

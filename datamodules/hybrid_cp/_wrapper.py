@@ -271,7 +271,8 @@ def zigzag_shard(data: Mapping[str, Tensor], cp_size: int, cp_rank: int) -> dict
         Every key with this rank's ``L / cp_size`` rows (its two chunks, in order).
 
     Raises:
-        ValueError: If ``cp_rank`` is outside the block or ``L`` is not divisible by ``2 * cp_size``.
+        ValueError: If ``cp_rank`` is outside the block, or ``cp_size > 1`` and ``L`` is not divisible by
+            ``2 * cp_size`` (a block of one rank takes the whole sub-sample, of any length).
     """
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"zigzag_shard: cp_rank={cp_rank} is outside a block of cp_size={cp_size}.")

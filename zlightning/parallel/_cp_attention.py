@@ -84,11 +84,15 @@ def _is_power_of_two(n: int) -> bool:
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> Tensor:
     """Positions (int64) of the tokens rank ``cp_rank`` of a ``cp_size`` block holds: chunks ``cp_rank`` and
-    ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` equal chunks.
+    ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` equal chunks. A block of one rank holds the whole sequence,
+    of any length: its two chunks are the sequence's halves, in order, and a sub-sample that no rank shares needs no
+    padding (a user's own odd-length documents run at CP size 1).
 
     Raises:
-        ValueError: If ``length`` is not divisible by ``2 * cp_size``.
+        ValueError: If ``cp_size > 1`` and ``length`` is not divisible by ``2 * cp_size``.
     """
+    if cp_size == 1:
+        return torch.arange(length)
     if length % (2 * cp_size):
         raise ValueError(
             f"zigzag_shard: a sub-sample of {length} tokens cannot be cut into 2 * cp_size = {2 * cp_size} equal "
@@ -251,7 +255,7 @@ class CPShard:
         """The shard that ``zigzag_shard(data, cp_size, cp_rank)`` gives a sub-sample of ``length`` tokens.
 
         Raises:
-            ValueError: If ``length`` is not divisible by ``2 * cp_size`` (or as `CPShard`).
+            ValueError: If ``cp_size > 1`` and ``length`` is not divisible by ``2 * cp_size`` (or as `CPShard`).
         """
         ranks = [zigzag_positions(length, cp_size, r) for r in range(cp_size)]
         return cls(group, cp_size, cp_rank, ranks[cp_rank].to(device), torch.cat(ranks).to(device))
@@ -263,8 +267,8 @@ class CPShard:
         """This rank's zigzag shard of a sub-sample placed on a block (as ``HybridCPDataLoaderWrapper`` returns them).
 
         Raises:
-            ValueError: If this rank is not in the sub-sample's block, or its length is not divisible by
-                ``2 * cp_size``.
+            ValueError: If this rank is not in the sub-sample's block, or ``cp_size > 1`` and its length is not
+                divisible by ``2 * cp_size``.
         """
         group = groups.group(sub.block_start, sub.cp_size)
         length = next(iter(sub.data.values())).shape[0]
