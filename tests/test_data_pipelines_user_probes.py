@@ -6,11 +6,13 @@ module-scoped fixtures so the file stays short to run on a 2-core machine.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
+from zlightning.datamodules.curriculum import DeepSpeedDataSampler, write_metric_index
 from zlightning.datamodules.hybrid_cp import (
     HybridCPConfig,
     HybridCPDataLoaderWrapper,
@@ -269,3 +272,40 @@ def test_unpadded_odd_length_documents_train_at_cp_size_one_as_one_process() -> 
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-7)
         for name, value in ref["params"].items():
             torch.testing.assert_close(run["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ curriculum
+
+
+def _decreasing_schedule_config(root: Path, clustering: str) -> dict[str, Any]:
+    write_metric_index(root / "m", "m", np.arange(20) % 10)  # a user's own metric: ties, values 0..9
+    metric = {
+        "index_to_sample_path": str(root / "m" / "m_index_to_sample"),
+        "index_to_metric_path": str(root / "m" / "m_index_to_metric"),
+        "difficulty_type": "value",
+        "clustering_type": clustering,
+        "min_difficulty": 0,
+        "max_difficulty": 9,
+        "schedule_type": "custom",
+    }
+    curriculum = {"enabled": True, "data_cluster_path": None, "curriculum_metrics": {"m": metric}}
+    sampling = {"enabled": True, "num_epochs": 1, "curriculum_learning": curriculum}
+    return {"data_efficiency": {"enabled": True, "seed": 3, "data_sampling": sampling}}
+
+
+def test_a_difficulty_that_drops_warns_that_the_bound_no_longer_holds(tmp_path: Path) -> None:
+    """A custom schedule whose difficulty drops (8 for two steps, then 1) keeps drawing samples of metric up to 8 at
+    difficulty 1 (clusters only grow, as in DeepSpeed, and test_curriculum_sampler keeps that behaviour), against the
+    README's bound, and said nothing. The sampler now warns at the step the difficulty drops, naming the metric, the
+    values and the fix; a single_cluster metric (no bound) shrinks silently."""
+    values = np.arange(20) % 10
+    sampler = DeepSpeedDataSampler(_decreasing_schedule_config(tmp_path, "schedule_based"), 20, 2)
+    sampler.set_custom_curriculum_learning_schedule({"m": lambda step: 8 if step < 3 else 1})
+    with pytest.warns(UserWarning, match="'m' drops from 8 to 1 at curriculum_step 3 .*non-decreasing") as caught:
+        tops = [max(int(values[i]) for i in micro_batch) for micro_batch in sampler]
+    assert len(caught) == 1 and len(tops) == 10 and max(tops[2:]) > 1  # DeepSpeed's semantics, now announced
+    single = DeepSpeedDataSampler(_decreasing_schedule_config(tmp_path, "single_cluster"), 20, 2)
+    single.set_custom_curriculum_learning_schedule({"m": lambda step: 8 if step < 3 else 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(single)) == 10 and single.current_difficulties == {"m": 1}

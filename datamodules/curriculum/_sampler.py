@@ -81,6 +81,7 @@ import logging
 import math
 import os
 import uuid
+import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -374,6 +375,7 @@ class DeepSpeedDataSampler:
         new_cluster_needed = False
         for name, scheduler in self.curriculum_schedulers.items():
             nxt = scheduler.update_difficulty(self.curriculum_step)
+            self._check_not_decreasing(name, nxt)
             if self.current_difficulties.get(name) != nxt:
                 new_cluster_needed = True
             self.current_difficulties[name] = nxt
@@ -389,6 +391,24 @@ class DeepSpeedDataSampler:
             raise AssertionError(f"{batch.size=} {self.global_batch_size=}")
         self._batch, self._batch_pos = batch, 0
         self._durable = self._capture_durable()
+
+    def _check_not_decreasing(self, name: str, difficulty: int) -> None:
+        """Warns when a schedule-based metric's difficulty drops: clusters only grow (see [Note: clusters]), so the
+        samples of the higher difficulty stay eligible, as in DeepSpeed, and the bound of the lower one does not hold
+        until the schedule climbs back. A ``single_cluster`` metric has no bound (``seqlen_truncate`` may shrink)."""
+        prev = self.current_difficulties.get(name)
+        metric = self.config.curriculum.curriculum_metrics[name]
+        if prev is None or difficulty >= prev or metric.clustering_type != "schedule_based":
+            return
+        warnings.warn(
+            f"DeepSpeedDataSampler: the difficulty of curriculum metric {name!r} drops from {prev} to {difficulty} at "
+            f"curriculum_step {self.curriculum_step} ({metric.schedule.schedule_type} schedule). Its samples are "
+            f"clustered by difficulty and clusters only grow (as in DeepSpeed), so the samples eligible at {prev} "
+            f"stay eligible: batches are not bounded by difficulty {difficulty}. Make the schedule non-decreasing "
+            f"(e.g. a custom function returning max(previous, value)) if the bound matters.",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _empty_message(self) -> str:
         sizes = {n: int(self._eligible(n, d).sum()) for n, d in self.current_difficulties.items()}
