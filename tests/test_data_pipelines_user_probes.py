@@ -33,7 +33,7 @@ from zlightning.datamodules.hybrid_cp import (
 
 from examples.gpt_model import GPT, GPTConfig
 from tests.test_hybrid_cp_lightning import _write_corpus
-from zlightning.models.gpt_hybrid_cp import gpt_cp_loss
+from zlightning.models.gpt_hybrid_cp import HybridCPGPTModule, gpt_cp_loss
 from zlightning.parallel import CPShard, HybridCPGroups
 from zlightning.testing import run_distributed
 
@@ -198,6 +198,49 @@ def test_ranks_that_cannot_hold_a_full_window_piece_are_refused_at_the_loader(tm
     for message in out:
         assert "up to 32 tokens" in message and "max_seqlen_per_rank=8" in message, message
         assert "at least 16" in message, message
+
+
+def _fit_gpt_losses(rank: int, world: int, root: str, cp_size: int) -> tuple[list[float], dict[str, Tensor]]:
+    torch.manual_seed(0)
+    dm = HybridCPTextDataModule(
+        hybrid_cp=HybridCPConfig(max_seqlen_per_rank=16, cp_size=cp_size),
+        data_dir=root,
+        pattern="*.txt",
+        seq_len=32,
+        batch_size=2,
+        val_fraction=0.2,
+        max_bytes=None,
+        seed=5,
+    )
+    model = HybridCPGPTModule(GPTConfig(seq_len=32, d_model=16, n_layer=1, n_head=2))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        max_steps=3,
+    )
+    trainer.fit(model, datamodule=dm)
+    return model.losses, {n: p.detach().clone() for n, p in model.model.named_parameters()}
+
+
+def test_dp2_cp2_through_lightning_trains_as_dp2_cp1(tmp_path: Path) -> None:
+    """HybridCPTextDataModule with cp_size=2 on 4 ranks (2 data replicas of 2 ranks, oversubscribed) under
+    Trainer(strategy='ddp') reads the same packed windows as 2 ranks with cp_size=1 (pieces padded to 8 instead of
+    4, the padding masked): the losses of 3 AdamW steps and the parameters after them agree on every rank."""
+    _write_corpus(tmp_path)
+    cp1 = run_distributed(_fit_gpt_losses, 2, str(tmp_path), 1, init_process_group=False, timeout=240)
+    cp2 = run_distributed(_fit_gpt_losses, 4, str(tmp_path), 2, init_process_group=False, timeout=300)
+    ref_losses, ref_params = cp1[0]
+    for losses, params in cp1 + cp2:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
 
 
 # A user's own packed documents, unpadded: odd lengths, single tokens; every one fits a rank (CP size 1)
