@@ -200,6 +200,50 @@ def test_ranks_that_cannot_hold_a_full_window_piece_are_refused_at_the_loader(tm
         assert "at least 16" in message, message
 
 
+class ValidatingPieceRecorder(PieceRecorder):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", (self.w * 0.0).sum(), sync_dist=True)
+
+
+def _fit_with_mid_epoch_validation(rank: int, world: int, root: str, ckpt: str | None) -> list[Any]:
+    model = ValidatingPieceRecorder()
+    every_validation = ModelCheckpoint(dirpath=f"{root}/val_ck", save_top_k=-1, filename="{epoch}-{step}")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        logger=False,
+        callbacks=[every_validation] if ckpt is None else None,
+        enable_checkpointing=ckpt is None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        val_check_interval=3,  # validates (and checkpoints) after steps 3 and 6 of the 6-step epoch
+        max_epochs=1,
+    )
+    trainer.fit(model, datamodule=_hybrid_cp_datamodule(root), ckpt_path=ckpt)
+    return model.seen
+
+
+def test_hybrid_cp_checkpoint_written_after_a_mid_epoch_validation_resumes_where_the_epoch_stood(
+    tmp_path: Path,
+) -> None:
+    """HybridCPTextDataModule saved its place in the epoch only while Lightning was training; ModelCheckpoint writes
+    after a validation (val_check_interval=3 here, mid-epoch), when Lightning is validating, so the checkpoint held
+    no data state and the resumed run trained steps 3-5 on the epoch's first windows (repeating them, never
+    training the last ones). The state is now saved whenever the Trainer is fitting: the resumed steps equal the
+    uninterrupted run's on both ranks."""
+    _write_corpus(tmp_path)
+    root = str(tmp_path)
+    full = run_distributed(_fit_with_mid_epoch_validation, 2, root, None, init_process_group=False, timeout=240)
+    ckpt = f"{root}/val_ck/epoch=0-step=3.ckpt"
+    resumed = run_distributed(_fit_with_mid_epoch_validation, 2, root, ckpt, init_process_group=False, timeout=240)
+    for whole, rest in zip(full, resumed):
+        assert [step for step, _ in whole] == list(range(6))
+        assert rest == whole[3:]
+
+
 def _fit_gpt_losses(rank: int, world: int, root: str, cp_size: int) -> tuple[list[float], dict[str, Tensor]]:
     torch.manual_seed(0)
     dm = HybridCPTextDataModule(

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -314,7 +315,9 @@ class HybridCPTextDataModule(TextCorpusDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in its epoch: see [Note: epochs and resume]."""
         trainer = self.trainer
-        if trainer is None or not trainer.training:
+        # while the fit runs, not only while it trains: a checkpoint written after a mid-epoch validation
+        # (val_check_interval) must still say where the epoch stands
+        if trainer is None or trainer.state.status != TrainerStatus.RUNNING or trainer.state.fn != TrainerFn.FITTING:
             return {}
         current = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker (typed as its base)
         batches = int(current.processed)  # type: ignore[attr-defined]
