@@ -1,7 +1,14 @@
 """The hybrid-CP and curriculum data pipelines probed with data shapes, grids and resumes the other tests do not use.
 
-Each test here failed before the fix it names (see the git log); the multi-rank runs are shared through
-module-scoped fixtures so the file stays short to run on a 2-core machine.
+Every test but one failed before the fix its docstring names (see the git log); the multi-rank runs of the resume
+tests share one module-scoped fixture so the file stays short to run on a 2-core machine. What they cover:
+
+* HybridCPTextDataModule resumed on another number of ranks (2 -> 1), then again from the resumed run's own
+  checkpoints (mid-epoch and at the epoch's last batch); a checkpoint written after a mid-epoch validation; a
+  max_seqlen_per_rank too small for a full window refused at the loader; DP2 x CP2 through Lightning equal to
+  DP2 x CP1 (passed without a fix: no other test runs cp_size > 1 through the data module).
+* HybridCPDataLoaderWrapper + hybrid_cp_forward_backward on a user's unpadded odd-length documents (CP size 1).
+* DeepSpeedDataSampler with a custom metric and a custom schedule whose difficulty drops.
 """
 
 from __future__ import annotations
