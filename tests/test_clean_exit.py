@@ -125,7 +125,7 @@ def test_settling_idle_workers_takes_milliseconds(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr[-2000:]
         line = next(x for x in done.stdout.splitlines() if x.startswith("IDLE"))
         settled, took = line.split()[1], float(line.split()[2])
-        assert settled == "True" and took < 0.5, line
+        assert settled == "True" and took < 0.1, line  # recognised as idle, not only asleep (LOOSE_QUIET_S)
         print(f"[measured] rank {rank}: idle gloo workers settled in {took * 1000:.1f} ms")
 
 

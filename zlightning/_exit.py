@@ -16,12 +16,16 @@ with the CPUs loaded; a completion callback still running at exit aborts every t
 ``destroy_process_group`` does not prevent it: for gloo it only drops Python's references, and joining the workers
 from the thread that holds the GIL would deadlock with a worker waiting for that GIL. So this module registers an
 ``atexit`` handler (``atexit`` runs before the finalisation starts, while threads can still take the GIL) that
-hands the GIL over in short sleeps until every gloo worker thread has been quiet through two in a row: not running
-and without a single context switch while the GIL was free (a worker waiting for the GIL is woken by a release, so
-it cannot look quiet; two, in case another thread took the GIL first). Idle workers wait on their queue's condition variable and pass at once: the handler
-costs a few milliseconds. It gives up after `SETTLE_TIMEOUT_S`. It cannot help a collective that is still waiting
-for its peers at exit (a rank leaving in the middle of one: that is a failed run, reported as such).
-Linux only (it reads ``/proc/self/task``); elsewhere it does nothing.
+hands the GIL over in short sleeps until every gloo worker is idle: asleep in its queue's wait, which is a
+condition-variable wait without a timeout (``/proc/self/task/<tid>/syscall``: ``futex`` with ``FUTEX_WAIT_BITSET``
+and no timeout), with no context switch while the GIL was free, three checks in a row. Busy is anything else: a
+worker running, waiting for the GIL (a timed condition-variable wait, and woken by every release), or blocked on
+something else it will want the GIL after (a callback's op waiting for the intra-op thread pool is a plain
+``FUTEX_WAIT``; a first version that counted any sleeping worker as idle let such a callback abort the process
+under a loaded CPU, 3 exits in 12). Where the idle wait never shows (another C library), a worker asleep without a
+context switch for `LOOSE_QUIET_S` passes too. The handler costs about 7 ms with idle workers and gives up after
+`SETTLE_TIMEOUT_S`. It cannot help a collective still waiting for its peers at exit (a rank leaving in the middle of
+one: that is a failed run, reported as such). Linux only (it reads ``/proc``); elsewhere it does nothing.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ import os
 import threading
 import time
 
-__all__ = ["SETTLE_TIMEOUT_S", "register_gloo_settle", "settle_gloo_workers"]
+__all__ = ["LOOSE_QUIET_S", "SETTLE_TIMEOUT_S", "register_gloo_settle", "settle_gloo_workers"]
 
 SETTLE_TIMEOUT_S = 5.0
+LOOSE_QUIET_S = 0.25
+_QUIET_PAUSES = 3
 _WORKER_NAME = "pt_gloo_runloop"
 _TASKS = "/proc/self/task"
 _registered = False
@@ -67,16 +73,35 @@ def _workers() -> list[str]:
     return [tid for tid in tids if (_read(f"{_TASKS}/{tid}/comm") or "").strip() == _WORKER_NAME]
 
 
-def _snapshot(tids: list[str]) -> dict[str, tuple[str, int]]:
-    """Each worker's scheduler state and its context switches so far (voluntary and not)."""
-    out: dict[str, tuple[str, int]] = {}
+_FUTEX = "202"  # x86-64; the check below simply never matches on other architectures (LOOSE_QUIET_S then)
+_FUTEX_CMD_MASK = 0x7F
+_FUTEX_WAIT_BITSET = 9
+
+
+def _state(tid: str) -> tuple[str, int, bool] | None:
+    """A worker's scheduler state, its context switches so far, and whether it sleeps in a condition-variable
+    wait without a timeout (its queue's wait when idle); None once it has exited."""
+    stat, status, call = (_read(f"{_TASKS}/{tid}/{name}") for name in ("stat", "status", "syscall"))
+    if stat is None or status is None:
+        return None
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+    fields = (call or "").split()
+    untimed_cond_wait = (
+        len(fields) >= 5
+        and fields[0] == _FUTEX
+        and int(fields[2], 16) & _FUTEX_CMD_MASK == _FUTEX_WAIT_BITSET
+        and int(fields[4], 16) == 0
+    )
+    return state, switches, untimed_cond_wait
+
+
+def _snapshot(tids: list[str]) -> dict[str, tuple[str, int, bool]]:
+    out = {}
     for tid in tids:
-        stat, status = _read(f"{_TASKS}/{tid}/stat"), _read(f"{_TASKS}/{tid}/status")
-        if stat is None or status is None:
-            continue  # gone: nothing left to wait for
-        state = stat.rsplit(")", 1)[-1].split()[0]
-        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
-        out[tid] = (state, switches)
+        found = _state(tid)
+        if found is not None:  # gone: nothing left to wait for
+            out[tid] = found
     return out
 
 
@@ -87,15 +112,21 @@ def settle_gloo_workers(timeout_s: float = SETTLE_TIMEOUT_S, pause_s: float = 0.
     tids = _workers()
     if not tids:
         return True
-    deadline = time.monotonic() + timeout_s
-    before, quiet = _snapshot(tids), 0
+    start = time.monotonic()
+    before, idle, asleep_since = _snapshot(tids), 0, None
     while True:
         time.sleep(pause_s)  # the GIL is free meanwhile: a worker that waits for it takes it now
-        now = _snapshot(tids)
-        still = all(state == "S" and before.get(tid, ("S", n))[1] == n for tid, (state, n) in now.items())
-        quiet = quiet + 1 if still else 0
-        if quiet >= 2:
+        now, at = _snapshot(tids), time.monotonic()
+        unchanged = [
+            state == "S" and before.get(tid, (state, n, wait))[1] == n for tid, (state, n, wait) in now.items()
+        ]
+        idle = idle + 1 if all(unchanged) and all(wait for _, _, wait in now.values()) else 0
+        if all(unchanged):
+            asleep_since = at if asleep_since is None else asleep_since
+        else:
+            asleep_since = None
+        if idle >= _QUIET_PAUSES or (asleep_since is not None and at - asleep_since >= LOOSE_QUIET_S):
             return True
-        if time.monotonic() >= deadline:
+        if at - start >= timeout_s:
             return False
         before = now
