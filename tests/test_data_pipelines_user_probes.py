@@ -403,3 +403,24 @@ def test_a_difficulty_that_drops_warns_that_the_bound_no_longer_holds(tmp_path: 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(list(single)) == 10 and single.current_difficulties == {"m": 1}
+
+
+def test_a_sub_sample_no_block_can_split_is_refused_on_every_rank() -> None:
+    """See [Note: every rank refuses a sub-sample no block can split]: ranks 0-1 run a 3-token sub-sample as a CP-2
+    block (3 is not a multiple of 4), rank 2 runs a sub-sample of its own. Rank 2 used to go on into its own work
+    (and, in a real run, meet a peer's dropped connection); it now raises the reason before anything runs."""
+    from zlightning.datamodules.hybrid_cp._wrapper import HybridCPBatch, HybridCPSubSample
+
+    schedule = [[[0], [0], [1], [2]]]
+    mine = HybridCPSubSample(
+        gid=1, group=0, cp_size=1, block_start=2, data={"tokens": torch.zeros(4, dtype=torch.long)}
+    )
+    batch = HybridCPBatch(sub_samples=[mine], schedule=schedule, seqlens=[3, 4, 4])
+    called = []
+
+    class _Rank2:
+        rank = 2
+
+    with pytest.raises(ValueError, match=r"sub-sample 0 \(3 tokens\) runs on 2 ranks .* multiple of 2 x 4 = 8"):
+        hybrid_cp_forward_backward(batch, _Rank2(), lambda data, shard: called.append(1))  # type: ignore[arg-type]
+    assert not called

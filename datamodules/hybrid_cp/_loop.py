@@ -48,7 +48,14 @@ from zlightning.parallel import CPShard, HybridCPGroups
 from ._schedule import HybridCPSchedule
 from ._wrapper import HybridCPBatch, zigzag_shard
 
-__all__ = ["BackwardFn", "SubSampleLossFn", "global_token_count", "hybrid_cp_forward_backward", "lockstep_plan"]
+__all__ = [
+    "BackwardFn",
+    "SubSampleLossFn",
+    "check_zigzag_splittable",
+    "global_token_count",
+    "hybrid_cp_forward_backward",
+    "lockstep_plan",
+]
 
 SubSampleLossFn: TypeAlias = Callable[[dict[str, Tensor], CPShard], Tensor]
 """``loss_fn(shard_data, shard) -> loss``: this rank's loss on its zigzag shard of one sub-sample (a scalar that
@@ -115,6 +122,37 @@ def global_token_count(
     return float(local)
 
 
+# [Note: every rank refuses a sub-sample no block can split]
+# The zigzag split gives each of a block's ``cp`` ranks two of ``2 * cp`` equal chunks, so a sub-sample run on more
+# than one rank needs a length that is a multiple of ``2 * cp`` (`HybridCPTextDataModule` pads its windows so). A
+# user's own data may not be, and the scheduler may also widen a short sub-sample onto a larger block to keep every
+# rank busy. Splitting failed on that block's ranks only, while the others went on into their own sub-samples'
+# collectives and met gloo's "connection closed" instead of the reason. The schedule and every length are the same on
+# every rank, so every rank checks the whole schedule first and raises the same error before any collective.
+def check_zigzag_splittable(schedule: HybridCPSchedule, seqlens: list[int]) -> None:
+    """Raises on every rank when a sub-sample of ``schedule`` runs on ``cp > 1`` ranks with a length that is not a
+    multiple of ``2 * cp`` (see [Note: every rank refuses a sub-sample no block can split]).
+
+    Raises:
+        ValueError: Naming the first such sub-sample, its length, its CP size and what to pad to.
+    """
+    for g, ranks in enumerate(schedule):
+        cp_of: dict[int, int] = {}
+        for gids in ranks:
+            for gid in gids:
+                cp_of[gid] = cp_of.get(gid, 0) + 1
+        for gid, cp in sorted(cp_of.items()):
+            if cp > 1 and seqlens[gid] % (2 * cp):
+                dp_cp = len(ranks)
+                raise ValueError(
+                    f"hybrid CP: sub-sample {gid} ({seqlens[gid]} tokens) runs on {cp} ranks in group {g}, and the "
+                    f"zigzag split needs a length that is a multiple of 2 x {cp} = {2 * cp} (the scheduler places "
+                    f"sub-samples on blocks of up to {dp_cp} ranks, widening short ones to keep every rank busy). Pad "
+                    f"every sub-sample's length to a multiple of 2 x {dp_cp} = {2 * dp_cp}, as HybridCPTextDataModule "
+                    "does."
+                )
+
+
 def hybrid_cp_forward_backward(
     batch: HybridCPBatch,
     groups: HybridCPGroups,
@@ -145,6 +183,7 @@ def hybrid_cp_forward_backward(
     Returns:
         The sum of this rank's losses (detached); summed over ranks it is the global batch's loss.
     """
+    check_zigzag_splittable(batch.schedule, batch.seqlens)
     by_gid = {sub.gid: sub for sub in batch.sub_samples}
     plan = lockstep_plan(batch.schedule, groups.rank, lockstep=pad_loss_fn is not None)
     total = torch.zeros((), dtype=torch.float64)
