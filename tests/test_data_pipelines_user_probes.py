@@ -47,10 +47,10 @@ from zlightning.testing import run_distributed
 # ------------------------------------------------------------------------------------------------- hybrid CP
 
 
-def _hybrid_cp_datamodule(root: str) -> HybridCPTextDataModule:
-    # max_seqlen_per_rank = seq_len: one rank can hold every piece, so the same data runs on 1 or 2 ranks
+def _hybrid_cp_datamodule(root: str, max_seqlen_per_rank: int = 32, cp_size: int = 1) -> HybridCPTextDataModule:
+    # max_seqlen_per_rank = seq_len (the default): one rank can hold every piece, so the data runs on 1 or 2 ranks
     return HybridCPTextDataModule(
-        hybrid_cp=HybridCPConfig(max_seqlen_per_rank=32),
+        hybrid_cp=HybridCPConfig(max_seqlen_per_rank=max_seqlen_per_rank, cp_size=cp_size),
         data_dir=root,
         pattern="*.txt",
         seq_len=32,
@@ -253,16 +253,7 @@ def test_hybrid_cp_checkpoint_written_after_a_mid_epoch_validation_resumes_where
 
 def _fit_gpt_losses(rank: int, world: int, root: str, cp_size: int) -> tuple[list[float], dict[str, Tensor]]:
     torch.manual_seed(0)
-    dm = HybridCPTextDataModule(
-        hybrid_cp=HybridCPConfig(max_seqlen_per_rank=16, cp_size=cp_size),
-        data_dir=root,
-        pattern="*.txt",
-        seq_len=32,
-        batch_size=2,
-        val_fraction=0.2,
-        max_bytes=None,
-        seed=5,
-    )
+    dm = _hybrid_cp_datamodule(root, max_seqlen_per_rank=16, cp_size=cp_size)
     model = HybridCPGPTModule(GPTConfig(seq_len=32, d_model=16, n_layer=1, n_head=2))
     trainer = pl.Trainer(
         accelerator="cpu",
