@@ -39,7 +39,7 @@ from zlightning.datamodules.hybrid_cp import (
 )
 
 from examples.gpt_model import GPT, GPTConfig
-from tests.test_hybrid_cp_lightning import _write_corpus
+from tests.test_hybrid_cp_lightning import _loader_error, _write_corpus
 from zlightning.models.gpt_hybrid_cp import HybridCPGPTModule, gpt_cp_loss
 from zlightning.parallel import CPShard, HybridCPGroups
 from zlightning.testing import run_distributed
@@ -183,25 +183,13 @@ def test_hybrid_cp_epoch_resumed_on_fewer_ranks_resumes_again_exactly(
     assert one["epoch=0-step=10"] == resumed[8:]
 
 
-def _loader_with_too_small_ranks(rank: int, world: int, root: str) -> str:
-    dm = HybridCPTextDataModule(
-        hybrid_cp=HybridCPConfig(max_seqlen_per_rank=8), data_dir=root, pattern="*.txt", seq_len=32, batch_size=2
-    )
-    dm.setup("fit")
-    try:
-        dm.train_dataloader()
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
 def test_ranks_that_cannot_hold_a_full_window_piece_are_refused_at_the_loader(tmp_path: Path) -> None:
     """With max_seqlen_per_rank x ranks (8 x 2) below seq_len (32), the loader was built and training ran until the
     first global batch holding a document piece longer than 16 tokens (in a corpus of mostly short documents, possibly
     hours in), and the scheduler's advice named only that piece's length (raise to 12), not the 16 a full window
     needs. The loader now refuses the configuration on every rank, naming the longest piece and the fix."""
     _write_corpus(tmp_path)
-    out = run_distributed(_loader_with_too_small_ranks, 2, str(tmp_path), timeout=120)
+    out = run_distributed(_loader_error, 2, str(tmp_path), 32, HybridCPConfig(max_seqlen_per_rank=8), timeout=120)
     for message in out:
         assert "up to 32 tokens" in message and "max_seqlen_per_rank=8" in message, message
         assert "at least 16" in message, message

@@ -90,8 +90,9 @@ def test_datamodule_rejects_bad_options_and_needs_distributed(tmp_path: Path) ->
         dm.train_dataloader()
 
 
-def _loader_error(rank: int, world: int, root: str) -> str:
-    dm = HybridCPTextDataModule(hybrid_cp=HCP, data_dir=root, pattern="*.txt", seq_len=30, batch_size=BATCH)
+def _loader_error(rank: int, world: int, root: str, seq_len: int = 30, hybrid_cp: HybridCPConfig = HCP) -> str:
+    """The message the training loader refuses with on this rank, or "no error"."""
+    dm = HybridCPTextDataModule(hybrid_cp=hybrid_cp, data_dir=root, pattern="*.txt", seq_len=seq_len, batch_size=BATCH)
     dm.setup("fit")
     try:
         dm.train_dataloader()
