@@ -33,6 +33,7 @@ from zlightning.strategies._launch import (
 )
 
 from zlightning._exit import register_gloo_settle
+from zlightning._threads import small_thread_stacks
 
 __all__ = ["LaunchedParallelStrategy"]
 
@@ -159,7 +160,8 @@ class LaunchedParallelStrategy(ParallelStrategy):
             raise AssertionError("cluster_environment must be set before setup_environment")
         if backend == "gloo" and not any(k in os.environ for k in _FLIGHT_RECORDER_VARS):
             os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # see [Note: gloo's flight recorder]
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        with small_thread_stacks():  # see [Note: thread stacks count against a data limit]
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
         register_gloo_settle()  # see [Note: gloo's workers finish with Python before the interpreter does]
         install_sigterm_handler()  # ranks started by spawn, or by another tool (torchrun, SLURM)
         install_failure_report(self.global_rank, self.world_size)  # after init_process_group's own excepthook

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
+from zlightning._threads import small_thread_stacks
 from zlightning._watchdog import note_step, wait_for
 
 __all__ = ["PREEMPT_TIMEOUT_ENV", "PREEMPT_TIMEOUT_S", "GracefulStop", "preemption_timeout"]
@@ -78,7 +79,8 @@ class GracefulStop(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             backend = dist.get_backend()
             if self._group is None and backend != "gloo":
-                self._group = dist.new_group(backend="gloo")  # collective: every rank is here
+                with small_thread_stacks():  # see [Note: thread stacks count against a data limit]
+                    self._group = dist.new_group(backend="gloo")  # collective: every rank is here
         self._requested_at = None
         self._armed = True
         if threading.current_thread() is threading.main_thread():

@@ -51,6 +51,7 @@ from typing import Any
 import torch.distributed as dist
 
 from zlightning._exit import register_gloo_settle
+from zlightning._threads import small_thread_stacks
 
 __all__ = [
     "WATCHDOG_TIMEOUT_ENV",
@@ -175,7 +176,8 @@ class Monitor:
         self.store.set(f"{_NS}/proc/{self.rank}", json.dumps(_me()))
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="zlightning-watchdog", daemon=True)
-        self.thread.start()
+        with small_thread_stacks():  # see [Note: thread stacks count against a data limit]
+            self.thread.start()
 
     # ---------------------------------------------------------------- records (main thread)
     def add(self, op: str, unit: str, phase: str, pass_id: int) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zlightning._threads import small_thread_stacks
 from zlightning.inject._classify import (
     HEAD_ATTRS,
     KV_HEAD_ATTRS,
@@ -61,6 +62,7 @@ class TPGroups:
     dp_size: int
 
 
+@small_thread_stacks()  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
 def build_tp_groups(tp_size: int) -> TPGroups:
     """Builds the TP and DP process groups of the world (every rank must call it, in the same order).
 

@@ -55,6 +55,7 @@ from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
 from zlightning._dist_compat import all_gather_single, reduce_scatter_single
+from zlightning._threads import small_thread_stacks
 
 __all__ = ["CPShard", "HybridCPGroups", "PlacedSubSample", "cp_attention", "cp_causal_attention", "zigzag_positions"]
 
@@ -120,6 +121,7 @@ class HybridCPGroups:
     """``(block_start, cp_size) -> group`` for every block of size >= 2 that contains this rank."""
 
     @classmethod
+    @small_thread_stacks()  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
     def build(cls, dp_cp_group: ProcessGroup | None = None) -> HybridCPGroups:
         """Creates the groups of every aligned power-of-two block; a collective over the whole job.
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zlightning._threads import small_thread_stacks
 from zlightning._watchdog import TransferTimeoutError, wait_for
 
 __all__ = ["Incoming", "IncomingGrads", "P2P", "TensorMeta", "flatten", "unflatten"]
@@ -145,7 +146,8 @@ class _Sender:
         self.issued: list[tuple[Any, torch.Tensor]] = []
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="zlightning-pipe-sender", daemon=True)
-        self.thread.start()
+        with small_thread_stacks():  # see [Note: thread stacks count against a data limit]
+            self.thread.start()
 
     # [Note: the send thread never frees a tensor]
     # Interpreter shutdown runs the finalizer that stops this thread (``P2P`` registers it with weakref.finalize,
