@@ -98,3 +98,60 @@ def test_host_reductions_finish_before_the_next_unit_computes() -> None:
     # peak on the host (the previous unit's packed gradient was held through this unit's backward)
     for seen in run_distributed(_pending_when_each_unit_computes, 2, timeout=240):
         assert len(seen) >= 8 and set(seen) == {0}, seen
+
+
+def _reduce_two_ways(rank: int, world: int, direct: bool) -> dict[str, Any]:
+    from zlightning.zero._buffers import StoragePool
+    from zlightning.zero._param_group import ZeroParamGroup
+
+    if not direct:  # the packed path: whole gradient packed, the peer's part received into a scratch chunk
+        ZeroParamGroup.reduces_own_half_directly = lambda *a: False  # type: ignore[method-assign]
+    lent = {"now": 0, "max": 0}
+    acquire, release = StoragePool.acquire, StoragePool.release
+
+    def counted_acquire(self: StoragePool, nbytes: int) -> torch.UntypedStorage:
+        s = acquire(self, nbytes)
+        lent["now"] += s.nbytes()
+        lent["max"] = max(lent["max"], lent["now"])
+        return s
+
+    def counted_release(self: StoragePool, storage: torch.UntypedStorage) -> None:
+        lent["now"] -= storage.nbytes()
+        release(self, storage)
+
+    StoragePool.acquire, StoragePool.release = counted_acquire, counted_release  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    width = 257  # 66049 parameters per unit: odd, so each unit's last chunk ends in padding
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Tanh()) for _ in range(5)]
+    )
+    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    grads, losses = [], []
+    for step in range(3):
+        for micro in range(2 if step == 2 else 1):  # the last step accumulates two micro-batches
+            x = torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + micro + rank))
+            loss = model(x).pow(2).mean()
+            losses.append(loss.item())
+            zero.backward(loss)
+        grads.append([zp.piece.grad.clone() for zp in zero.state.params if zp.piece.grad is not None])
+        zero.step()
+    return {"grads": grads, "losses": losses, "max_lent": lent["max"], "unit_bytes": width * width * 4}
+
+
+def test_two_host_ranks_reduce_without_packing_their_own_half() -> None:
+    # see [Note: two host ranks reduce without packing their own half]: the same gradients (bit for bit where the
+    # shard's gradient starts from zero), with half a unit less of step buffers at the backward's peak
+    direct = run_distributed(_reduce_two_ways, 2, True, timeout=240)
+    packed = run_distributed(_reduce_two_ways, 2, False, timeout=240)
+    for d, p in zip(direct, packed):
+        assert d["losses"] == p["losses"]
+        for step, (gd, gp) in enumerate(zip(d["grads"], p["grads"])):
+            assert len(gd) == len(gp) == 5
+            for a, b in zip(gd, gp):
+                if step < 2:
+                    assert torch.equal(a, b), step
+                else:  # two micro-batches: the halves of the second are added one after the other
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+        unit = d["unit_bytes"]
+        assert p["max_lent"] - d["max_lent"] >= unit // 2 - 8192, (d["max_lent"], p["max_lent"], unit)
+        assert d["max_lent"] <= 2 * unit + 16384, (d["max_lent"], unit)  # the unit computing and the one prefetched

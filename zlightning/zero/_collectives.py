@@ -145,17 +145,30 @@ def reduce_scatter_into(
     output: torch.Tensor | None = None,
     stream: torch.cuda.Stream | None = None,
     scratch: torch.Tensor | None = None,
+    peer_half: bool = False,
 ) -> CommHandle:
     """Sums ``full`` (``world`` equal chunks, rank-major) over ranks; each rank receives its own chunk.
 
     On host tensors the result is chunk ``rank`` of ``full`` itself (the other chunks are left as scratch) and
     ``output`` is not used; between two ranks ``scratch`` (one chunk, same dtype) receives the peer's part (required
-    there). On devices the result is written to ``output`` (required there). See [Note: in-place collectives on the
-    host] and [Note: the host reduce-scatter between two ranks].
+    there), unless ``peer_half``: then only the peer's chunk of ``full`` holds data, the peer's part is received into
+    this rank's chunk and the result is the peer's part alone (this rank added its own part elsewhere: see [Note: two
+    host ranks reduce without packing their own half] in _param_group.py). On devices the result is written to
+    ``output`` (required there). See [Note: in-place collectives on the host] and [Note: the host reduce-scatter
+    between two ranks].
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     chunks = full.chunk(world)
+    if peer_half:
+        if full.device.type != "cpu" or world != 2:
+            raise AssertionError("reduce_scatter_into: peer_half is for two host ranks only")
+        splits = [chunks[rank].numel(), 0] if rank == 1 else [0, chunks[rank].numel()]  # to and from the peer only
+        work = dist.all_to_all_single(chunks[rank], chunks[1 - rank], splits, splits, group=group, async_op=True)
+        handle = CommHandle([work] if work is not None else [], chunks[rank], None, (full,))
+        if not async_op:
+            handle.wait()
+        return handle
     if full.device.type == "cpu" and world == 2:
         if scratch is None or scratch.numel() != chunks[rank].numel() or scratch.dtype != full.dtype:
             raise AssertionError("reduce_scatter_into: a two-rank host reduce-scatter needs a scratch chunk")

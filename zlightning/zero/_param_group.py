@@ -428,8 +428,9 @@ class ZeroParamGroup:
         out[self.numel :].zero_()
         return flat
 
-    def start_reduce_scatter(self, flat: FlatGradient, async_op: bool) -> PendingReduce:
-        """Issues the reduce-scatter of a packed gradient (already divided for averaging)."""
+    def start_reduce_scatter(self, flat: FlatGradient, async_op: bool, peer_half: bool = False) -> PendingReduce:
+        """Issues the reduce-scatter of a packed gradient (already divided for averaging); with ``peer_half`` only
+        the peer's chunk was packed (see `pack_peer_half`)."""
         if self.world == 1:
             return PendingReduce(self, CommHandle([], flat.tensor), [flat])
         held = [flat]
@@ -437,7 +438,7 @@ class ZeroParamGroup:
         if flat.tensor.device.type != "cpu":  # devices reduce into a separate output; see _collectives.py
             held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
             out = held[-1].tensor
-        elif self.world == 2:  # see [Note: the host reduce-scatter between two ranks] in _collectives.py
+        elif self.world == 2 and not peer_half:  # see [Note: the host reduce-scatter between two ranks]
             held.append(FlatGradient(self.pool, self.shard_numel, flat.tensor.dtype, self.device))
             scratch = held[-1].tensor
         record_collective("reduce-scatter", self)
@@ -448,11 +449,13 @@ class ZeroParamGroup:
             output=out,
             stream=self.context.streams.reduce_scatter,
             scratch=scratch,
+            peer_half=peer_half,
         )
         return PendingReduce(self, handle, held)
 
-    def accumulate(self, reduced: torch.Tensor) -> None:
-        """Adds an averaged reduce-scatter result into the pieces' gradients (creating them where absent)."""
+    def _gradient_views(self) -> bool:
+        """Creates the gradient shard and the pieces' ``.grad`` views where absent; whether every piece's ``.grad``
+        is still a view of the shard (a user may have replaced some)."""
         if self.grad is None:
             self.grad = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.device)
         base = self.rank * self.shard_numel
@@ -466,6 +469,65 @@ class ZeroParamGroup:
                 self._fresh.append(p)
             elif not _is_view_of(g, view):
                 own = False
+        return own
+
+    # [Note: two host ranks reduce without packing their own half]
+    # Between two host ranks the reduce-scatter is one exchange (see [Note: the host reduce-scatter between two
+    # ranks] in _collectives.py): each rank sends the peer the peer's chunk of its gradient and receives the peer's
+    # part of its own chunk. Packing the whole gradient and receiving into a separate scratch chunk held one and a
+    # half units of buffers beside autograd's own copy of the gradient (which autograd keeps until the hook returns),
+    # at the moment of the step's peak. So there only the peer's chunk is packed; this rank's own part goes from
+    # autograd's gradients straight into the gradient shard (halved, as the reduction averages), and the peer's part
+    # is received into the packed buffer's own chunk, which is free: one unit of buffers, which takes the pool slot
+    # of the unit's gathered parameters, released just before. The sum is the same as before, bit for bit, whenever
+    # the shard's gradient starts from zero (x/2 + y/2 rounds once either way); with gradients accumulated over
+    # micro-batches the two halves are added one after the other. Other cases keep the packed path: a reduction
+    # dtype other than the shard's (the sum would round differently), sparse gradients, gradients held back while
+    # sync is off, and more than two ranks (one reduce per chunk there).
+    # On 24 x Linear(1024) + Tanh at 2 ranks through Trainer.fit the host cache's live peak went from 3.5 unit
+    # buffers above the sharded state to 3 (see benchmarks/results/memory.md).
+    def reduces_own_half_directly(self, grads: tuple[torch.Tensor | None, ...], reduce_dtype: torch.dtype) -> bool:
+        """Whether these gradients take [Note: two host ranks reduce without packing their own half]."""
+        return (
+            self.world == 2
+            and self.device.type == "cpu"
+            and reduce_dtype == self.master_dtype
+            and self.unsynced is None
+            and all(g is None or g.layout is torch.strided for g in grads)
+        )
+
+    def pack_peer_half(self, grads: tuple[torch.Tensor | None, ...], reduce_dtype: torch.dtype) -> FlatGradient:
+        """Two host ranks: packs the peer's chunk of the flat gradient (halved) and adds this rank's own part of
+        ``grads`` (halved) into the gradient shard; the returned buffer's own chunk is left for the peer's part. See
+        [Note: two host ranks reduce without packing their own half]."""
+        flat = FlatGradient(self.pool, self.world * self.shard_numel, reduce_dtype, self.device)
+        lo, hi = (1 - self.rank) * self.shard_numel, (2 - self.rank) * self.shard_numel
+        send = flat.tensor[lo:hi]
+        for p, g in zip(self.params, grads):
+            a, b = max(p.offset, lo), min(p.offset + p.numel, hi)
+            if a >= b:
+                continue
+            if g is None:
+                send[a - lo : b - lo].zero_()
+            else:
+                send[a - lo : b - lo].copy_(g.reshape(-1)[a - p.offset : b - p.offset])
+        if self.numel < hi:
+            send[max(self.numel, lo) - lo :].zero_()
+        send.div_(self.world)
+        own = self._gradient_views()
+        base = self.rank * self.shard_numel
+        for p, g in zip(self.params, grads):
+            if g is None or p.local_end == p.local_start:
+                continue
+            src = g.reshape(-1)[p.local_start - p.offset : p.local_end - p.offset]
+            dst = self.grad[p.local_start - base : p.local_end - base] if own else p.piece.grad
+            dst.add_(src, alpha=1.0 / self.world)  # type: ignore[union-attr]
+        return flat
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """Adds an averaged reduce-scatter result into the pieces' gradients (creating them where absent)."""
+        own = self._gradient_views()
+        base = self.rank * self.shard_numel
         if own:
             self.grad.add_(reduced)  # in place: a bf16 result is added into the fp32 gradient without a copy
             return

@@ -691,6 +691,10 @@ class ZeroState:
         if self.gradient_sync:  # see [Note: room for a gradient before packing it]
             while self._pending and (self._pending_numel + group.shard_numel) * self.world_size > self.reduce_budget:
                 self._drain_one()
+        if self.gradient_sync and group.reduces_own_half_directly(grads, self.reduce_dtype):
+            # see [Note: two host ranks reduce without packing their own half] in _param_group.py
+            self._reduce(group, group.pack_peer_half(grads, self.reduce_dtype), peer_half=True)
+            return
         flat = group.pack_gradients(grads, self.reduce_dtype)
         if group.unsynced is not None:
             flat.tensor.add_(group.unsynced.tensor)
@@ -709,10 +713,10 @@ class ZeroState:
     # next unit's backward, as before. (On 24 x Linear(1024) at 2 ranks this moment was not the step's peak, which
     # comes while a unit computes with the next unit prefetched and the previous one's reduction in flight: peak
     # unchanged there, one buffer less wherever packing is the peak.)
-    def _reduce(self, group: ZeroParamGroup, flat: FlatGradient) -> None:
-        if self.world_size > 1:
+    def _reduce(self, group: ZeroParamGroup, flat: FlatGradient, peer_half: bool = False) -> None:
+        if self.world_size > 1 and not peer_half:  # a packed peer half is divided already
             flat.tensor.div_(self.world_size)
-        self._pending.append(group.start_reduce_scatter(flat, async_op=self.config.overlap_comm))
+        self._pending.append(group.start_reduce_scatter(flat, async_op=self.config.overlap_comm, peer_half=peer_half))
         self.reduce_scatters += 1
         self._pending_numel += group.shard_numel
         if not self.config.overlap_comm or self.world_size == 1:  # see [Note: a finished reduction is not held]
