@@ -453,15 +453,16 @@ class ZeroParamGroup:
         )
         return PendingReduce(self, handle, held)
 
-    def _gradient_views(self) -> bool:
-        """Creates the gradient shard and the pieces' ``.grad`` views where absent; whether every piece's ``.grad``
-        is still a view of the shard (a user may have replaced some)."""
+    def _gradient_views(self) -> tuple[torch.Tensor, bool]:
+        """Creates the gradient shard and the pieces' ``.grad`` views where absent. Returns the shard and whether
+        every piece's ``.grad`` is still a view of it (a user may have replaced some)."""
         if self.grad is None:
             self.grad = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.device)
+        grad = self.grad
         base = self.rank * self.shard_numel
         own = True
         for p in self.params:
-            view = self.grad[p.local_start - base : p.local_end - base]
+            view = grad[p.local_start - base : p.local_end - base]
             g = p.piece.grad
             if g is None:
                 view.zero_()
@@ -469,7 +470,7 @@ class ZeroParamGroup:
                 self._fresh.append(p)
             elif not _is_view_of(g, view):
                 own = False
-        return own
+        return grad, own
 
     # [Note: two host ranks reduce without packing their own half]
     # Between two host ranks the reduce-scatter is one exchange (see [Note: the host reduce-scatter between two
@@ -514,22 +515,22 @@ class ZeroParamGroup:
         if self.numel < hi:
             send[max(self.numel, lo) - lo :].zero_()
         send.div_(self.world)
-        own = self._gradient_views()
+        grad, own = self._gradient_views()
         base = self.rank * self.shard_numel
         for p, g in zip(self.params, grads):
             if g is None or p.local_end == p.local_start:
                 continue
             src = g.reshape(-1)[p.local_start - p.offset : p.local_end - p.offset]
-            dst = self.grad[p.local_start - base : p.local_end - base] if own else p.piece.grad
+            dst = grad[p.local_start - base : p.local_end - base] if own else p.piece.grad
             dst.add_(src, alpha=1.0 / self.world)  # type: ignore[union-attr]
         return flat
 
     def accumulate(self, reduced: torch.Tensor) -> None:
         """Adds an averaged reduce-scatter result into the pieces' gradients (creating them where absent)."""
-        own = self._gradient_views()
+        grad, own = self._gradient_views()
         base = self.rank * self.shard_numel
         if own:
-            self.grad.add_(reduced)  # in place: a bf16 result is added into the fp32 gradient without a copy
+            grad.add_(reduced)  # in place: a bf16 result is added into the fp32 gradient without a copy
             return
         for p in self.params:  # a user replaced some .grad tensors: add piece by piece
             lo, hi = p.local_start - base, p.local_end - base
