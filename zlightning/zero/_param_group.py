@@ -504,25 +504,23 @@ class ZeroParamGroup:
         flat = FlatGradient(self.pool, self.world * self.shard_numel, reduce_dtype, self.device)
         lo, hi = (1 - self.rank) * self.shard_numel, (2 - self.rank) * self.shard_numel
         send = flat.tensor[lo:hi]
-        for p, g in zip(self.params, grads):
-            a, b = max(p.offset, lo), min(p.offset + p.numel, hi)
-            if a >= b:
-                continue
-            if g is None:
-                send[a - lo : b - lo].zero_()
-            else:
-                send[a - lo : b - lo].copy_(g.reshape(-1)[a - p.offset : b - p.offset])
-        if self.numel < hi:
-            send[max(self.numel, lo) - lo :].zero_()
-        send.div_(self.world)
         grad, own = self._gradient_views()
         base = self.rank * self.shard_numel
         for p, g in zip(self.params, grads):
-            if g is None or p.local_end == p.local_start:
-                continue
-            src = g.reshape(-1)[p.local_start - p.offset : p.local_end - p.offset]
-            dst = grad[p.local_start - base : p.local_end - base] if own else p.piece.grad
-            dst.add_(src, alpha=1.0 / self.world)  # type: ignore[union-attr]
+            flat_g = None if g is None else g.reshape(-1)
+            a, b = max(p.offset, lo), min(p.offset + p.numel, hi)
+            if a < b:  # the peer's part
+                if flat_g is None:
+                    send[a - lo : b - lo].zero_()
+                else:
+                    send[a - lo : b - lo].copy_(flat_g[a - p.offset : b - p.offset])
+            if flat_g is not None and p.local_end > p.local_start:  # this rank's own part
+                src = flat_g[p.local_start - p.offset : p.local_end - p.offset]
+                dst = grad[p.local_start - base : p.local_end - base] if own else p.piece.grad
+                dst.add_(src, alpha=1.0 / self.world)  # type: ignore[union-attr]
+        if self.numel < hi:
+            send[max(self.numel, lo) - lo :].zero_()
+        send.div_(self.world)
         return flat
 
     def accumulate(self, reduced: torch.Tensor) -> None:
