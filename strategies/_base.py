@@ -160,7 +160,7 @@ class LaunchedParallelStrategy(ParallelStrategy):
             raise AssertionError("cluster_environment must be set before setup_environment")
         if backend == "gloo" and not any(k in os.environ for k in _FLIGHT_RECORDER_VARS):
             os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # see [Note: gloo's flight recorder]
-        with small_thread_stacks():  # see [Note: thread stacks count against a data limit]
+        with small_thread_stacks(backend):  # see [Note: thread stacks count against a data limit]
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
         register_gloo_settle()  # see [Note: gloo's workers finish with Python before the interpreter does]
         install_sigterm_handler()  # ranks started by spawn, or by another tool (torchrun, SLURM)

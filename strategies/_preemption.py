@@ -79,7 +79,7 @@ class GracefulStop(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             backend = dist.get_backend()
             if self._group is None and backend != "gloo":
-                with small_thread_stacks():  # see [Note: thread stacks count against a data limit]
+                with small_thread_stacks("gloo"):  # see [Note: thread stacks count against a data limit]
                     self._group = dist.new_group(backend="gloo")  # collective: every rank is here
         self._requested_at = None
         self._armed = True

@@ -53,7 +53,7 @@ _PROBE = textwrap.dedent(
     before, tasks = default_stack(), set(os.listdir("/proc/self/task"))
     maps = anonymous_writable()
     inner, python = [], []
-    with small_thread_stacks():
+    with small_thread_stacks(os.environ.get("PROBE_BACKEND", "gloo")):
         with small_thread_stacks():  # nested: only the outermost restores
             pass
         inner.append(default_stack())
@@ -80,11 +80,14 @@ _PROBE = textwrap.dedent(
 )
 
 
-def _probe(env: dict[str, str]) -> dict:
+def _probe(env: dict[str, str], stack_limit_kib: int | None = None) -> dict:
     from zlightning.testing import find_free_port
 
     full = {**os.environ, **env, "PROBE_PORT": str(find_free_port())}
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=full)
+    cmd = [sys.executable, "-c", _PROBE]
+    if stack_limit_kib is not None:  # glibc takes its default thread stack from RLIMIT_STACK at start-up
+        cmd = ["bash", "-c", f'ulimit -s {stack_limit_kib} && exec "$@"', "probe", *cmd]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -108,9 +111,21 @@ def test_zero_keeps_the_system_default() -> None:
     assert max(out["new_maps"]) == out["before"], out  # the gloo threads got the system's stacks
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's default thread attributes")
+def test_other_backends_and_smaller_defaults_are_left_alone() -> None:
+    nccl = _probe({"ZLIGHTNING_THREAD_STACK_MIB": "", "PROBE_BACKEND": "nccl"})  # NCCL sizes its own threads
+    assert nccl["inner"] == nccl["before"] == nccl["after"] and nccl["python"] == nccl["before"], nccl
+    small = _probe({"ZLIGHTNING_THREAD_STACK_MIB": ""}, stack_limit_kib=1024)
+    assert small["before"] == small["inner"] == small["after"] == 1 << 20, small
+    assert small["python"] == 1 << 20, small  # Python's threads are not raised to 2 MiB either
+
+
 def test_a_bad_size_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZLIGHTNING_THREAD_STACK_MIB", "two")
     with pytest.raises(ValueError, match="ZLIGHTNING_THREAD_STACK_MIB='two' is not a number.*MiB, or 0"):
+        thread_stack_bytes()
+    monkeypatch.setenv("ZLIGHTNING_THREAD_STACK_MIB", "inf")
+    with pytest.raises(ValueError, match="is not a number"):
         thread_stack_bytes()
     monkeypatch.setenv("ZLIGHTNING_THREAD_STACK_MIB", "-1")
     with pytest.raises(ValueError, match="is negative"):

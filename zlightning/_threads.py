@@ -1,14 +1,16 @@
 """Smaller stacks for the threads that zlightning starts, or makes torch start.
 
-See [Note: thread stacks count against a data limit]. Everything here is a no-op where it cannot apply (no glibc, a
-default already smaller, ``ZLIGHTNING_THREAD_STACK_MIB=0``).
+See [Note: thread stacks count against a data limit]. Everything here is a no-op where it cannot apply (not Linux with
+glibc, a default already smaller, a backend other than gloo, ``ZLIGHTNING_THREAD_STACK_MIB=0``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -24,12 +26,15 @@ __all__ = ["small_thread_stacks", "thread_stack_bytes"]
 # parameters is more than the 12 bytes per parameter such a cap allows for all of training.
 #
 # None of these threads recurses deeply: gloo's workers run collectives and their completion callbacks, the loops
-# wait on sockets, ours poll a store. So while zlightning creates process groups and its own threads, new threads
-# get a 2 MiB stack (glibc's default where RLIMIT_STACK is unlimited, and more than Windows gives gloo's threads by
-# default), set as the process's default thread attributes (`pthread_setattr_default_np`, which std::thread and
-# libuv both follow) and as Python's `threading.stack_size`, and both are put back on leaving. A default already
-# smaller is kept. The window is short (group creation), but any thread another part of the program starts inside
-# it gets the smaller stack too. `ZLIGHTNING_THREAD_STACK_MIB` sets the size (0 leaves the system's default).
+# wait on sockets, ours poll a store. So while zlightning creates gloo process groups and its own threads, new
+# threads get a 2 MiB stack (glibc's default where RLIMIT_STACK is unlimited, and more than Windows gives gloo's
+# threads by default), set as the process's default thread attributes (`pthread_setattr_default_np`, which
+# std::thread follows, and with it the TCPStore's loop thread) and as Python's `threading.stack_size`, and both are
+# put back on leaving. A default already smaller is kept. NCCL groups are left alone: their communicators start
+# inside group creation, with threads that search the topology recursively (NCCL 2.27 crashed there on stacks below
+# 8 MiB), and the data limit this is for is a host matter. Only on Linux with glibc. The window is short (group
+# creation), but any thread another part of the program starts inside it gets the smaller stack too.
+# `ZLIGHTNING_THREAD_STACK_MIB` sets the size (0 leaves the system's default).
 
 _DEFAULT_MIB = 2
 _ENV = "ZLIGHTNING_THREAD_STACK_MIB"
@@ -46,6 +51,8 @@ def thread_stack_bytes() -> int:
         return _DEFAULT_MIB << 20
     try:
         mib = float(raw)
+        if not math.isfinite(mib):
+            raise ValueError(raw)
     except ValueError:
         raise ValueError(
             f"{_ENV}={raw!r} is not a number: set it to a stack size in MiB, or 0 to keep the default"
@@ -58,11 +65,13 @@ def thread_stack_bytes() -> int:
 
 
 def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(None)
         libc.pthread_getattr_default_np  # noqa: B018 - glibc 2.18 and later
         libc.pthread_setattr_default_np  # noqa: B018
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
     return libc
 
@@ -87,28 +96,35 @@ def _pthread_default(libc: ctypes.CDLL, new_size: int | None = None) -> int:
 
 
 @contextlib.contextmanager
-def small_thread_stacks() -> Iterator[None]:
+def small_thread_stacks(backend: str | None = "gloo") -> Iterator[None]:
     """Threads created inside get a smaller stack; see [Note: thread stacks count against a data limit].
 
-    Re-entrant; the outermost use restores the process's defaults.
+    Args:
+        backend: the process-group backend whose threads start inside: only ``"gloo"`` (host) threads get small
+            stacks; any other (NCCL sizes its own threads and needs deep stacks) leaves the defaults alone. ``None``:
+            the default group's backend, read on entry.
+
+    Re-entrant; the outermost use restores the process's defaults. A no-op without glibc.
     """
     global _depth, _saved
-    target = thread_stack_bytes()
+    if backend is None:
+        backend = dist_backend()
+    target = thread_stack_bytes() if backend == "gloo" else 0
     libc = _libc() if target else None
     with _lock:
         _depth += 1
-        if _depth == 1 and target:
-            old = _pthread_default(libc) if libc is not None else 0
-            python_old = threading.stack_size()
-            if libc is not None and old and target < old:
-                _pthread_default(libc, target)
-            else:
-                old = 0  # nothing changed: nothing to put back
-            try:
-                threading.stack_size(target if python_old == 0 or target < python_old else python_old)
-            except (ValueError, RuntimeError):  # a platform without settable Python thread stacks
-                python_old = -1
-            _saved = (old, python_old)
+        try:
+            if _depth == 1 and libc is not None:
+                old = _pthread_default(libc)
+                if old and target < old:  # a default already smaller is kept, for Python's threads too
+                    python_old = threading.stack_size()
+                    threading.stack_size(target)
+                    if _pthread_default(libc, target):
+                        _saved = (old, python_old)
+                    else:
+                        threading.stack_size(python_old)
+        except (ValueError, RuntimeError, OverflowError):  # Python's stack size not settable here: change nothing
+            _saved = None
     try:
         yield
     finally:
@@ -117,7 +133,15 @@ def small_thread_stacks() -> Iterator[None]:
             if _depth == 0 and _saved is not None:
                 old, python_old = _saved
                 _saved = None
-                if old and libc is not None:
+                if libc is not None:
                     _pthread_default(libc, old)
-                if python_old >= 0:
-                    threading.stack_size(python_old)
+                threading.stack_size(python_old)
+
+
+def dist_backend() -> str | None:
+    """The default process group's backend name, or None without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return str(dist.get_backend())

@@ -62,7 +62,9 @@ class TPGroups:
     dp_size: int
 
 
-@small_thread_stacks()  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
+@small_thread_stacks(
+    backend=None
+)  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
 def build_tp_groups(tp_size: int) -> TPGroups:
     """Builds the TP and DP process groups of the world (every rank must call it, in the same order).
 

@@ -121,7 +121,9 @@ class HybridCPGroups:
     """``(block_start, cp_size) -> group`` for every block of size >= 2 that contains this rank."""
 
     @classmethod
-    @small_thread_stacks()  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
+    @small_thread_stacks(
+        backend=None
+    )  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
     def build(cls, dp_cp_group: ProcessGroup | None = None) -> HybridCPGroups:
         """Creates the groups of every aligned power-of-two block; a collective over the whole job.
 

@@ -146,7 +146,7 @@ class _Sender:
         self.issued: list[tuple[Any, torch.Tensor]] = []
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="zlightning-pipe-sender", daemon=True)
-        with small_thread_stacks():  # see [Note: thread stacks count against a data limit]
+        with small_thread_stacks(backend=None):  # see [Note: thread stacks count against a data limit]
             self.thread.start()
 
     # [Note: the send thread never frees a tensor]

@@ -123,7 +123,9 @@ class PipeGroups:
     """Per tie key owned here: the global rank whose copy is broadcast at start (lowest owning stage)."""
 
     @staticmethod
-    @small_thread_stacks()  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
+    @small_thread_stacks(
+        backend=None
+    )  # every gloo group starts threads: see [Note: thread stacks count against a data limit]
     def build(grid: PipeGrid, tie_owners: dict[str, list[int]]) -> PipeGroups:
         """Creates pipe, data and tie groups. ``tie_owners`` maps a tie key to the pipeline ranks owning it.
 
