@@ -680,6 +680,11 @@ class ZeroState:
         for zp, g in zip(group.params, grads):
             if g is not None:
                 self._used[zp.index] = 1.0
+        if self.gradient_sync:  # see [Note: room for a gradient before packing it]
+            # before this use is counted off: draining an earlier reduction of this same group must not tell an
+            # offloaded optimizer that its gradient is final (this use's part is not even packed yet)
+            while self._pending and (self._pending_numel + group.shard_numel) * self.world_size > self.reduce_budget:
+                self._drain_one()
         group.pending_backward = max(group.pending_backward - 1, 0)
         if (
             group.pending_backward == 0
@@ -688,9 +693,6 @@ class ZeroState:
             and id(group) not in self._read_outside
         ):
             group.reshard()  # before packing: the packed gradient can take the gathered buffer's pool slot
-        if self.gradient_sync:  # see [Note: room for a gradient before packing it]
-            while self._pending and (self._pending_numel + group.shard_numel) * self.world_size > self.reduce_budget:
-                self._drain_one()
         if self.gradient_sync and group.reduces_own_half_directly(grads, self.reduce_dtype):
             # see [Note: two host ranks reduce without packing their own half] in _param_group.py
             self._reduce(group, group.pack_peer_half(grads, self.reduce_dtype), peer_half=True)
