@@ -100,6 +100,22 @@ def test_host_reductions_finish_before_the_next_unit_computes() -> None:
         assert len(seen) >= 8 and set(seen) == {0}, seen
 
 
+class _Block(torch.nn.Module):
+    """``Linear + Tanh`` with a second weight only some ranks read (its gradient is None on the others). The
+    unit's 2 x 129 x 129 + 129 elements are odd: its last chunk ends in padding, and the first weight straddles
+    the two ranks' chunks."""
+
+    def __init__(self, width: int, uses_extra: bool) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.extra = torch.nn.Linear(width, width, bias=False)
+        self.uses_extra = uses_extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return h + self.extra(x) if self.uses_extra else h
+
+
 def _reduce_two_ways(rank: int, world: int, direct: bool) -> dict[str, Any]:
     from zlightning.zero._buffers import StoragePool
     from zlightning.zero._param_group import ZeroParamGroup
@@ -121,10 +137,9 @@ def _reduce_two_ways(rank: int, world: int, direct: bool) -> dict[str, Any]:
 
     StoragePool.acquire, StoragePool.release = counted_acquire, counted_release  # type: ignore[method-assign]
     torch.manual_seed(0)
-    width = 257  # 66049 parameters per unit: odd, so each unit's last chunk ends in padding
-    model = torch.nn.Sequential(
-        *[torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Tanh()) for _ in range(5)]
-    )
+    width = 129
+    model = torch.nn.Sequential(*[_Block(width, uses_extra=rank == 1) for _ in range(5)])
+    model[1].fc.bias.requires_grad_(False)  # frozen inside a trainable group
     zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     grads, losses = [], []
     for step in range(3):
@@ -135,7 +150,8 @@ def _reduce_two_ways(rank: int, world: int, direct: bool) -> dict[str, Any]:
             zero.backward(loss)
         grads.append([zp.piece.grad.clone() for zp in zero.state.params if zp.piece.grad is not None])
         zero.step()
-    return {"grads": grads, "losses": losses, "max_lent": lent["max"], "unit_bytes": width * width * 4}
+    unit_bytes = 4 * sum(p.numel() for p in _Block(width, True).parameters())
+    return {"grads": grads, "losses": losses, "max_lent": lent["max"], "unit_bytes": unit_bytes}
 
 
 def test_two_host_ranks_reduce_without_packing_their_own_half() -> None:
@@ -146,7 +162,7 @@ def test_two_host_ranks_reduce_without_packing_their_own_half() -> None:
     for d, p in zip(direct, packed):
         assert d["losses"] == p["losses"]
         for step, (gd, gp) in enumerate(zip(d["grads"], p["grads"])):
-            assert len(gd) == len(gp) == 5
+            assert len(gd) == len(gp) >= 5
             for a, b in zip(gd, gp):
                 if step < 2:
                     assert torch.equal(a, b), step
