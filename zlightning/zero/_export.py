@@ -254,7 +254,8 @@ class StateDictWriter:
             )
         if self.safetensors:
             data = tensor.detach().contiguous().cpu()
-            raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+            # reshape: a 0-d tensor (BatchNorm's num_batches_tracked, a scalar buffer) cannot be viewed as bytes
+            raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
             for j in range(len(spec.names)):
                 self._file.seek(self._data_start + self._offsets[i] + j * spec.nbytes)
                 self._file.write(raw)

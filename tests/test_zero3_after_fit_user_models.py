@@ -1,0 +1,162 @@
+"""zstack_zero3 after ``Trainer.fit`` on users' models other than the suite's (2 CPU ranks, gloo): a model with
+buffers (BatchNorm, a scalar buffer, a non-persistent rotary cache), a frozen layer, a root parameter, a block called
+twice and an output tied to the embedding, exported with ``save_full_state_dict`` and loaded strictly into the plain
+model, compared with one process trained on the same global batches."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from zlightning.testing import run_distributed
+
+WORLD, V, D, T, STEPS = 2, 32, 16, 8, 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.shared = Block()  # called twice per forward
+        self.bn = nn.BatchNorm1d(D)  # num_batches_tracked: a 0-d buffer
+        self.scale = nn.Parameter(torch.ones(D))  # outside any block
+        self.frozen = nn.Linear(D, D).requires_grad_(False)
+        pos = torch.arange(T).float()[:, None] * torch.arange(D // 2).float()[None] / D
+        self.register_buffer("rope", torch.cat([pos.sin(), pos.cos()], -1), persistent=False)
+        self.register_buffer("calls", torch.zeros(()))
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx) + self.rope[: idx.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        h = self.shared(self.shared(h))
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        self.calls += 1
+        return self.head((h + 0.1 * self.frozen(h)) * self.scale)
+
+
+def _loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(net(x[:, :-1]).reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+class UserModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self.net, batch[0])
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def _data(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (n, T + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _trainer(**kwargs: Any) -> pl.Trainer:
+    import zlightning  # noqa: F401  (registers zstack_zero3)
+
+    base: dict[str, Any] = dict(
+        strategy="zstack_zero3",
+        accelerator="cpu",
+        devices=WORLD,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # each rank gets its own rows: step i is rows (2i, 2i+1) in one process
+    )
+    base.update(kwargs)
+    return pl.Trainer(**base)
+
+
+def _rows(rank: int) -> torch.Tensor:
+    return _data(2 * WORLD * STEPS)[rank::WORLD]  # batches of 2: step i is rows [2i, 2i + 2) of each rank
+
+
+def _fit(rank: int) -> UserModule:
+    torch.manual_seed(0)
+    module = UserModule()
+    _trainer(max_steps=STEPS).fit(module, DataLoader(TensorDataset(_rows(rank)), batch_size=2))
+    return module
+
+
+def _reference() -> tuple[Net, list[list[float]]]:
+    """One process on the same batches: each rank's rows go through the model on their own (BatchNorm normalises
+    per rank), the gradient is the mean of the ranks' losses, and the buffers are rank 0's (its own rows only)."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    losses: list[list[float]] = [[] for _ in range(WORLD)]
+    for i in range(STEPS):
+        total = torch.zeros(())
+        for r in range(WORLD):
+            loss = _loss(net, _rows(r)[2 * i : 2 * i + 2])
+            losses[r].append(float(loss.detach()))
+            total = total + loss / WORLD
+            if r == 0:
+                rank0 = {k: v.clone() for k, v in net.named_buffers()}
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for k, v in net.named_buffers():
+                v.copy_(rank0[k])
+    return net, losses
+
+
+def _export(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from zlightning.zero import save_full_state_dict
+
+    module = _fit(rank)
+    for name in ("m.safetensors", "m.pt"):
+        save_full_state_dict(module, os.path.join(tmp, name))
+    return {"buffers": {k: v.clone() for k, v in module.net.named_buffers()}, "losses": module.losses}
+
+
+def test_full_weights_of_a_model_with_buffers_load_strictly_and_match_one_process(tmp_path: Any) -> None:
+    """``.safetensors`` export of a model with a 0-d buffer (BatchNorm's num_batches_tracked) failed on rank 0 with
+    'self.dim() cannot be 0 to view Float as Byte' (and rank 1 then lost its peer); ``.pt`` worked."""
+    import safetensors.torch
+
+    out = run_distributed(_export, WORLD, str(tmp_path), init_process_group=False, timeout=120)
+    ref, losses = _reference()
+    for r in range(WORLD):
+        torch.testing.assert_close(out[r]["losses"], losses[r], rtol=1e-6, atol=0.0)
+    for name in ("m.safetensors", "m.pt"):
+        path = tmp_path / name
+        loaded = safetensors.torch.load_file(path) if name.endswith(".safetensors") else torch.load(path)
+        plain = UserModule()
+        plain.load_state_dict(loaded, strict=True)
+        assert plain.net.head.weight is plain.net.emb.weight  # still tied after loading
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(plain.net.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=key)
+        for key, value in out[0]["buffers"].items():  # rank 0's buffers, the non-persistent cache excluded
+            if key != "rope":
+                assert torch.equal(plain.net.state_dict()[key], value), (name, key)
+    assert float(plain.net.calls) == STEPS and int(plain.net.bn.num_batches_tracked) == STEPS
