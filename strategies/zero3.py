@@ -433,8 +433,52 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             return
         self.model.to(self.root_device)
 
+    # [Note: every rank runs as many evaluation steps]
+    # Each call of the sharded module gathers its units together with the other ranks, so a rank with more batches
+    # waits in a collective its peers never join: a hang, or a "peer exited" error once they finish. Lightning's
+    # predict sampler does not pad (5 samples on 2 ranks: 3 and 2 batches), nor do custom samplers or
+    # ``use_distributed_sampler=False``. The counts are compared at the start of each loop (one small all-gather)
+    # and every rank raises the same error, so none is left waiting and the module stays sharded and usable.
+    @override
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
+        self._check_even_batches("validate", loop.max_batches)
+
+    @override
+    def on_test_start(self) -> None:
+        self._check_even_batches("test", self.lightning_module.trainer.test_loop.max_batches)
+
+    @override
+    def on_predict_start(self) -> None:
+        self._check_even_batches("predict", self.lightning_module.trainer.predict_loop.max_batches)
+
+    def _check_even_batches(self, stage: str, max_batches: list[int | float]) -> None:
+        engine = self.engine
+        if engine is None or engine.config.stage != 3 or engine.world_size == 1:
+            return
+        mine = torch.tensor([float(sum(max_batches))], dtype=torch.float64, device=self.root_device)
+        counts = [torch.empty_like(mine) for _ in range(engine.world_size)]
+        torch.distributed.all_gather(counts, mine, group=engine.process_group)
+        seen = [float(c) for c in counts]
+        if len(set(seen)) == 1 or any(c == float("inf") for c in seen):  # an unsized loader: nothing to compare
+            return
+        per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(seen))
+        raise UnevenBatchesError(
+            f"trainer.{stage} with zstack_zero3: the data-parallel ranks have different numbers of batches "
+            f"({per_rank}). The module is sharded, and every call of it gathers its parameters together on all "
+            "ranks, so each rank must run the same number of steps (a rank with more would wait for the others "
+            f"forever). Make the dataset's length a multiple of world size x batch size, pass limit_{stage}_batches="
+            f"{int(min(seen))}, use a sampler that gives every rank the same count (with use_distributed_sampler="
+            "False), or run on one rank with the full model: `with summon_full_params(model, rank0_only=True) as "
+            "full:` (zlightning.zero). See [Note: every rank runs as many evaluation steps] in strategies/zero3.py."
+        )
+
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, UnevenBatchesError):
+            return  # raised on every rank alike before any step: the engine is intact and stays usable
         # Another rank may be gone: teardown must not start collectives (see teardown).
         self._failed = True
 
@@ -721,6 +765,11 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         strategy_registry.register(
             "zstack_zero1", cls, description="ZeRO stage 1: optimizer state sharded", zero=ZeroConfig(stage=1)
         )
+
+
+class UnevenBatchesError(ValueError):
+    """The ranks would run different numbers of evaluation or predict steps on the sharded module (see
+    [Note: every rank runs as many evaluation steps])."""
 
 
 def _merge_deepspeed(

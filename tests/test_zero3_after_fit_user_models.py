@@ -160,3 +160,66 @@ def test_full_weights_of_a_model_with_buffers_load_strictly_and_match_one_proces
             if key != "rope":
                 assert torch.equal(plain.net.state_dict()[key], value), (name, key)
     assert float(plain.net.calls) == STEPS and int(plain.net.bn.num_batches_tracked) == STEPS
+
+
+class Predicting(UserModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self.net, batch[0]), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).argmax(-1)
+
+
+def _uneven(rank: int, world: int) -> dict[str, Any]:
+    from zlightning.strategies.zero3 import UnevenBatchesError
+
+    from zlightning.zero import engine_of, full_state_dict
+
+    torch.manual_seed(0)
+    module = Predicting()
+    trainer = _trainer(max_steps=STEPS)
+    trainer.fit(module, DataLoader(TensorDataset(_rows(rank)), batch_size=2))
+    module.eval()
+    errors = []
+    five = _data(5, seed=1)[:, :T]  # Lightning's predict sampler does not pad: 3 batches on rank 0, 2 on rank 1
+    try:
+        _trainer(use_distributed_sampler=True).predict(module, DataLoader(TensorDataset(five), batch_size=1))
+    except UnevenBatchesError as err:
+        errors.append(str(err))
+    try:  # a loader of each rank's own: 3 batches on rank 0, 2 on rank 1
+        trainer.validate(module, DataLoader(TensorDataset(_data(3 - rank, seed=2)), batch_size=1), verbose=False)
+    except UnevenBatchesError as err:
+        errors.append(str(err))
+    # the module is still sharded and usable: the same data with even counts, a batch size unlike training's
+    preds = _trainer(use_distributed_sampler=True, limit_predict_batches=2).predict(
+        module, DataLoader(TensorDataset(five), batch_size=1)
+    )
+    val = trainer.validate(module, DataLoader(TensorDataset(_data(2, seed=2)), batch_size=1), verbose=False)
+    plain = Net().eval()
+    plain.load_state_dict({k[len("net.") :]: v for k, v in full_state_dict(module).items()})  # this rank's buffers
+    with torch.no_grad():
+        expected = [plain(five[[rank + world * i]]).argmax(-1) for i in range(2)]
+        val_mine = sum(float(_loss(plain, b[None])) for b in _data(2, seed=2)) / 2
+    return {
+        "errors": errors,
+        "sharded": engine_of(module) is not None and module.net.emb.weight.ndim == 1,
+        "preds_equal": all(torch.equal(p, e) for p, e in zip(preds, expected)) and len(preds) == 2,
+        "val": val[0]["val_loss"],
+        "val_mine": val_mine,
+    }
+
+
+def test_uneven_batches_per_rank_are_refused_on_every_rank_and_the_module_stays_usable() -> None:
+    """trainer.predict after fit on 5 samples at 2 ranks (Lightning's unpadded predict sampler: 3 and 2 batches) left
+    rank 0 in a collective rank 1 never joined ('rank 1 exited while this rank was in all-gather of unit <root>');
+    a validate loader with different lengths per rank the same. Now every rank raises one clear error before any
+    step, and the module stays sharded for the next call."""
+    out = run_distributed(_uneven, WORLD, init_process_group=False, timeout=120)
+    for r in out:
+        assert len(r["errors"]) == 2, r["errors"]
+        assert "trainer.predict" in r["errors"][0] and "rank 0: 3, rank 1: 2" in r["errors"][0]
+        assert "limit_predict_batches=2" in r["errors"][0] and "summon_full_params" in r["errors"][0]
+        assert "trainer.validate" in r["errors"][1] and "rank 0: 3, rank 1: 2" in r["errors"][1]
+        assert r["sharded"] and r["preds_equal"]
+    # every rank validates both batches with its own BatchNorm statistics; sync_dist averages the ranks
+    assert abs(out[0]["val"] - (out[0]["val_mine"] + out[1]["val_mine"]) / 2) < 1e-5
