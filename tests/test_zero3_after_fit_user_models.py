@@ -106,13 +106,31 @@ def _fit(rank: int) -> UserModule:
     return module
 
 
-def _reference() -> tuple[Net, list[list[float]]]:
+def _edit(net: Net) -> None:
+    """What the writeback test changes between two fits: in place (the tied embedding, a frozen bias) and by
+    assigning a new parameter of the same shape."""
+    with torch.no_grad():
+        net.emb.weight[0].fill_(7.0)
+        net.frozen.bias.fill_(3.0)
+    net.blocks[1].fc.bias = nn.Parameter(torch.full((D,), 0.5))
+
+
+def _reference(edit: bool = False) -> tuple[Net, list[list[float]]]:
     """One process on the same batches: each rank's rows go through the model on their own (BatchNorm normalises
-    per rank), the gradient is the mean of the ranks' losses, and the buffers are rank 0's (its own rows only)."""
+    per rank), the gradient is the mean of the ranks' losses, and the buffers are rank 0's (its own rows only).
+    With ``edit``: `_edit`, then the same steps again (a second fit)."""
     torch.manual_seed(0)
     net = Net()
-    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
     losses: list[list[float]] = [[] for _ in range(WORLD)]
+    _train(net, losses)
+    if edit:
+        _edit(net)
+        _train(net, losses)
+    return net, losses
+
+
+def _train(net: Net, losses: list[list[float]]) -> None:
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
     for i in range(STEPS):
         total = torch.zeros(())
         for r in range(WORLD):
@@ -127,7 +145,6 @@ def _reference() -> tuple[Net, list[list[float]]]:
         with torch.no_grad():
             for k, v in net.named_buffers():
                 v.copy_(rank0[k])
-    return net, losses
 
 
 def _export(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -223,3 +240,35 @@ def test_uneven_batches_per_rank_are_refused_on_every_rank_and_the_module_stays_
         assert r["sharded"] and r["preds_equal"]
     # every rank validates both batches with its own BatchNorm statistics; sync_dist averages the ranks
     assert abs(out[0]["val"] - (out[0]["val_mine"] + out[1]["val_mine"]) / 2) < 1e-5
+
+
+def _writeback(rank: int, world: int) -> dict[str, Any]:
+    from zlightning.zero import full_state_dict, summon_full_params
+
+    module = _fit(rank)
+    with summon_full_params(module, writeback=True) as full:
+        _edit(full.net)
+    error = ""
+    try:
+        with summon_full_params(module, writeback=True) as full:
+            full.net.blocks[0].fc.weight = nn.Parameter(torch.zeros(D, D + 1))
+    except ValueError as err:
+        error = str(err)
+    module.losses.clear()
+    _trainer(max_steps=STEPS).fit(module, DataLoader(TensorDataset(_rows(rank)), batch_size=2))  # a second fit
+    return {"losses": module.losses, "state": full_state_dict(module, rank0_only=True), "error": error}
+
+
+def test_writeback_edits_and_replaced_parameters_carry_into_the_next_fit() -> None:
+    """``full.net.blocks[1].fc.bias = nn.Parameter(...)`` inside summon_full_params(writeback=True) was dropped
+    silently (the shards kept the old bias; only in-place edits were written back). A replacement of the same shape
+    is kept now, and one of another shape is refused on every rank with a message naming the parameter."""
+    out = run_distributed(_writeback, WORLD, init_process_group=False, timeout=120)
+    ref, losses = _reference(edit=True)
+    for r in range(WORLD):
+        torch.testing.assert_close(out[r]["losses"], losses[r][STEPS:], rtol=1e-6, atol=0.0)
+        assert "net.blocks.0.fc.weight" in out[r]["error"] and "(16, 17)" in out[r]["error"], out[r]["error"]
+        assert "in place" in out[r]["error"]
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(out[0]["state"]["net." + key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert float(out[0]["state"]["net.frozen.bias"][0]) == 3.0  # frozen: the edit stays as it was written

@@ -404,6 +404,29 @@ def _engine(module_or_state: nn.Module | ZeroState) -> ZeroState:
     return state
 
 
+def _written_back(zp: ZeroParam, full: nn.Parameter) -> torch.Tensor:
+    """What ``summon_full_params(writeback=True)`` keeps for ``zp``: the summoned tensor (edited in place), or a
+    tensor of the same shape the user assigned to its one module slot inside the block (``m.bias = nn.Parameter(..)``).
+
+    Raises:
+        ValueError: a replacement of another shape (or None), or a tied parameter replaced in some of its slots.
+    """
+    held = [module._parameters.get(name) for module, name in zp.slots]  # dict.get: no gather hook
+    if all(t is full for t in held):
+        return full
+    if len(held) == 1 and held[0] is not None and tuple(held[0].shape) == tuple(zp.shape):
+        return held[0]
+    got = ", ".join(
+        f"{name}: {'None' if t is None else tuple(t.shape)}{' (summoned)' if t is full else ''}"
+        for name, t in zip(zp.fqns, held)
+    )
+    raise ValueError(
+        f"summon_full_params(writeback=True): parameter {zp.fqn} (shape {tuple(zp.shape)}) was replaced inside the "
+        f"block ({got}). The shards keep each parameter's shape and ties: edit its values in place instead "
+        "(`with torch.no_grad(): p.copy_(new)`), and give tied parameters the same values in every slot."
+    )
+
+
 @contextlib.contextmanager
 def summon_full_params(
     module: nn.Module | ZeroState, *, rank0_only: bool = False, writeback: bool = False, offload_to_cpu: bool = True
@@ -416,13 +439,15 @@ def summon_full_params(
     ``rank0_only``, else every rank): call it, generate text with it, read its ``state_dict()``. The engine's hooks
     are paused, so ranks do not have to call it together; with ``rank0_only`` the other ranks must not call it.
     After the block the shards are back; with ``writeback`` (every rank receiving) changes made to the parameters
-    inside are kept.
+    inside are kept: in-place edits, and a parameter of the same shape assigned to its module (not to one slot of a
+    tied parameter).
 
     Yields:
         The module on the receiving ranks, None on the others.
 
     Raises:
-        ValueError: ``writeback`` with ``rank0_only``, or a module that is not sharded.
+        ValueError: ``writeback`` with ``rank0_only``, a module that is not sharded, or (with ``writeback``) a
+            parameter replaced by one of another shape.
     """
     state = _engine(module)
     if writeback and rank0_only:
@@ -439,9 +464,10 @@ def summon_full_params(
                 zp.install(fulls[zp.index])
             yield state.root if receiving else None
             if writeback:
+                kept = {zp.index: _written_back(zp, fulls[zp.index]) for zp in state.params}  # before any copy
                 with torch.no_grad(), state.resident():
                     for zp in state.params:
-                        zp.piece.copy_(zp.local_slice_of(fulls[zp.index].detach().to(zp.piece.device)))
+                        zp.piece.copy_(zp.local_slice_of(kept[zp.index].detach().to(zp.piece.device)))
         finally:
             for zp in state.params:
                 zp.install(zp.piece)
