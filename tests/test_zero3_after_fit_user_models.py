@@ -328,3 +328,61 @@ def test_save_full_state_dict_holds_about_one_unit_beyond_the_sharded_step(tmp_p
     pt, st = torch.load(tmp_path / "m.pt"), safetensors.torch.load_file(tmp_path / "m.safetensors")
     assert pt.keys() == st.keys() == _Wide(8, 10).state_dict().keys()
     assert all(torch.equal(pt[k], st[k]) for k in pt) and pt["blocks.9.fc.weight"].shape == (1024, 1024)
+
+
+class Versioned(Block):
+    """A block whose ``get_extra_state`` is a dict (as modules that record a format version or fp8 metadata do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = {"format": 1}
+
+    def get_extra_state(self) -> dict[str, int]:
+        return dict(self.version)
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.version = dict(state)
+
+
+class VersionedModule(UserModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.blocks[1] = Versioned()
+
+
+def _extra_state(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from zlightning.zero import consolidate, full_state_dict, save_full_state_dict
+
+    torch.manual_seed(0)
+    module = VersionedModule()
+    trainer = _trainer(max_steps=1)
+    trainer.fit(module, DataLoader(TensorDataset(_rows(rank)), batch_size=2))
+    module.net.blocks[1].version["format"] = 2  # what the files must carry
+    save_full_state_dict(module, os.path.join(tmp, "v.pt"))
+    refused = ""
+    try:
+        save_full_state_dict(module, os.path.join(tmp, "v.safetensors"))
+    except ValueError as err:
+        refused = str(err)
+    trainer.save_checkpoint(os.path.join(tmp, "v.ckpt"))
+    if rank == 0:
+        consolidate(os.path.join(tmp, "v.ckpt"), os.path.join(tmp, "c.pt"), progress=False)
+    state = {k: v for k, v in full_state_dict(module).items() if isinstance(v, torch.Tensor)}
+    return {"refused": refused, "state": state}
+
+
+def test_non_tensor_extra_state_is_written_to_pt_and_refused_clearly_for_safetensors(tmp_path: Any) -> None:
+    """A block with ``get_extra_state() -> dict``: save_full_state_dict raised 'state dict entry
+    net.blocks.1._extra_state is a dict, not a tensor' even for .pt (which torch.save writes), and consolidate
+    dropped the entry silently, so a strict load failed on the missing key. Both .pt files now carry it; safetensors,
+    which holds tensors only, is refused on every rank with what to do instead."""
+    out = run_distributed(_extra_state, WORLD, str(tmp_path), init_process_group=False, timeout=120)
+    for r in out:
+        assert "net.blocks.1._extra_state (dict)" in r["refused"] and "Write a .pt file" in r["refused"], r["refused"]
+    assert not (tmp_path / "v.safetensors").exists()
+    for name in ("v.pt", "c.pt"):
+        plain = VersionedModule()
+        plain.load_state_dict(torch.load(tmp_path / name), strict=True)  # weights_only: plain data
+        assert plain.net.blocks[1].version == {"format": 2}, name
+        for key, value in out[0]["state"].items():
+            assert torch.equal(plain.state_dict()[key], value), (name, key)

@@ -20,7 +20,7 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,15 +190,23 @@ class StateDictWriter:
 
     Declare every tensor up front (`TensorSpec`, in the order the dict should have), then call `write` once per spec
     in any order, then `close`. ``.safetensors`` paths get the safetensors format, anything else PyTorch's.
+    ``objects`` are entries that are not tensors (a module's ``get_extra_state()``), pickled as they are after the
+    tensors (``.pt`` only).
 
     Raises:
-        ValueError: a dtype safetensors cannot hold, a name declared twice, or a tensor that does not match its spec.
+        ValueError: a dtype safetensors cannot hold, non-tensor ``objects`` for safetensors, a name declared twice,
+            or a tensor that does not match its spec.
     """
 
-    def __init__(self, path: str | os.PathLike[str], specs: Sequence[TensorSpec]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], specs: Sequence[TensorSpec], objects: Mapping[str, Any] | None = None
+    ) -> None:
         self.path = Path(path)
         self.specs = list(specs)
-        names = [n for s in self.specs for n in s.names]
+        self.objects = dict(objects or {})
+        if self.objects and self.path.suffix == ".safetensors":
+            raise ValueError(_objects_refused(self.path, self.objects))
+        names = [n for s in self.specs for n in s.names] + list(self.objects)
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"StateDictWriter: names declared more than once: {dup[:5]}")
@@ -213,7 +221,8 @@ class StateDictWriter:
 
     def _open_pt(self) -> None:
         refs = [_TensorRef(_StorageRef(str(i), s)) for i, s in enumerate(self.specs)]
-        obj = collections.OrderedDict((n, refs[i]) for i, s in enumerate(self.specs) for n in s.names)
+        obj: dict[str, Any] = collections.OrderedDict((n, refs[i]) for i, s in enumerate(self.specs) for n in s.names)
+        obj.update(self.objects)
         buf = io.BytesIO()
         _Pickler(buf, protocol=2).dump(obj)
         self._zip = _open_archive(self.path, buf.getvalue())
@@ -292,6 +301,15 @@ class StateDictWriter:
         return self.path
 
 
+def _objects_refused(path: Path, objects: Mapping[str, Any]) -> str:
+    kinds = ", ".join(f"{k} ({type(v).__name__})" for k, v in list(objects.items())[:5])
+    return (
+        f"{path.name}: safetensors holds tensors only, and the state dict has other entries: {kinds} (a module's "
+        "get_extra_state() returning a non-tensor). Write a .pt file instead (it keeps them), or make "
+        "get_extra_state() return a tensor."
+    )
+
+
 def _gather_group(state: ZeroState, group: Any, to_rank0: bool) -> torch.Tensor | None:
     """The group's full flat master values ([T]) on the receiving ranks (rank 0 only when ``to_rank0``); collective.
     One group is gathered at a time, into a buffer of the group's size."""
@@ -337,19 +355,19 @@ def iter_full_state_dict(
             del flat
 
 
-def _non_param_entries(state: ZeroState) -> dict[str, torch.Tensor]:
-    """Buffers and tensor extra state of the module, as ``state_dict()`` would write them."""
+def _non_param_entries(state: ZeroState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Buffers and tensor extra state of the module, and its entries that are not tensors (extra state such as a
+    dict), as ``state_dict()`` would write them."""
     param_names = {n for zp in state.params for n in zp.fqns}
-    out = {}
+    tensors, objects = {}, {}
     for key, value in state.root.state_dict().items():
         if key in param_names:
             continue
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(
-                f"save_full_state_dict: state dict entry {key!r} is a {type(value).__name__}, not a tensor"
-            )
-        out[key] = value
-    return out
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            objects[key] = value
+    return tensors, objects
 
 
 def save_full_state_dict(
@@ -366,7 +384,9 @@ def save_full_state_dict(
         The path on rank 0, None on the other ranks.
     """
     state = _engine(module)
-    extra = _non_param_entries(state)
+    extra, objects = _non_param_entries(state)
+    if objects and Path(path).suffix == ".safetensors":  # every rank refuses, before any collective
+        raise ValueError(f"save_full_state_dict: {_objects_refused(Path(path), objects)}")
     order = list(state.root.state_dict().keys())
     cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t
     specs_by_key: dict[str, TensorSpec] = {}
@@ -377,7 +397,7 @@ def save_full_state_dict(
     for key, value in extra.items():
         specs_by_key[key] = TensorSpec((key,), tuple(value.shape), cast(value).dtype)
     specs = [specs_by_key[k] for k in order if k in specs_by_key]
-    writer = StateDictWriter(path, specs) if state.rank == 0 else None
+    writer = StateDictWriter(path, specs, objects) if state.rank == 0 else None
     try:
         for zp, tensor in iter_full_state_dict(state, rank0_only=True, dtype=dtype):
             if writer is not None:

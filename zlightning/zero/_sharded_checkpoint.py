@@ -663,7 +663,8 @@ def consolidate(
     specs += [
         TensorSpec((k,), tuple(v.shape), cast(v).dtype) for k, v in buffers.items() if isinstance(v, torch.Tensor)
     ]
-    writer = StateDictWriter(out, specs)
+    objects = {k: v for k, v in buffers.items() if not isinstance(v, torch.Tensor)}  # non-tensor extra state
+    writer = StateDictWriter(out, specs, objects)
     try:
         for p, full in full_parameters(meta, payloads, progress=progress, desc=f"consolidating {ckpt_dir.name}"):
             writer.write(p["fqns"][0], cast(full))
