@@ -444,17 +444,17 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
-        self._check_even_batches("validate", loop.max_batches)
+        self._check_even_batches("fit's validation" if fitting else "validate", loop.max_batches, "val")
 
     @override
     def on_test_start(self) -> None:
-        self._check_even_batches("test", self.lightning_module.trainer.test_loop.max_batches)
+        self._check_even_batches("test", self.lightning_module.trainer.test_loop.max_batches, "test")
 
     @override
     def on_predict_start(self) -> None:
-        self._check_even_batches("predict", self.lightning_module.trainer.predict_loop.max_batches)
+        self._check_even_batches("predict", self.lightning_module.trainer.predict_loop.max_batches, "predict")
 
-    def _check_even_batches(self, stage: str, max_batches: list[int | float]) -> None:
+    def _check_even_batches(self, stage: str, max_batches: list[int | float], limit: str) -> None:
         engine = self.engine
         if engine is None or engine.config.stage != 3 or engine.world_size == 1:
             return
@@ -469,7 +469,7 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             f"trainer.{stage} with zstack_zero3: the data-parallel ranks have different numbers of batches "
             f"({per_rank}). The module is sharded, and every call of it gathers its parameters together on all "
             "ranks, so each rank must run the same number of steps (a rank with more would wait for the others "
-            f"forever). Make the dataset's length a multiple of world size x batch size, pass limit_{stage}_batches="
+            f"forever). Make the dataset's length a multiple of world size x batch size, pass limit_{limit}_batches="
             f"{int(min(seen))}, use a sampler that gives every rank the same count (with use_distributed_sampler="
             "False), or run on one rank with the full model: `with summon_full_params(model, rank0_only=True) as "
             "full:` (zlightning.zero). See [Note: every rank runs as many evaluation steps] in strategies/zero3.py."

@@ -237,6 +237,7 @@ def test_uneven_batches_per_rank_are_refused_on_every_rank_and_the_module_stays_
         assert "trainer.predict" in r["errors"][0] and "rank 0: 3, rank 1: 2" in r["errors"][0]
         assert "limit_predict_batches=2" in r["errors"][0] and "summon_full_params" in r["errors"][0]
         assert "trainer.validate" in r["errors"][1] and "rank 0: 3, rank 1: 2" in r["errors"][1]
+        assert "limit_val_batches=2" in r["errors"][1]  # the Trainer's argument, not limit_validate_batches
         assert r["sharded"] and r["preds_equal"]
     # every rank validates both batches with its own BatchNorm statistics; sync_dist averages the ranks
     assert abs(out[0]["val"] - (out[0]["val_mine"] + out[1]["val_mine"]) / 2) < 1e-5
