@@ -160,24 +160,21 @@ def reduce_scatter_into(
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     chunks = full.chunk(world)
-    if peer_half:
-        if full.device.type != "cpu" or world != 2:
-            raise AssertionError("reduce_scatter_into: peer_half is for two host ranks only")
-        splits = [chunks[rank].numel(), 0] if rank == 1 else [0, chunks[rank].numel()]  # to and from the peer only
-        work = dist.all_to_all_single(chunks[rank], chunks[1 - rank], splits, splits, group=group, async_op=True)
-        handle = CommHandle([work] if work is not None else [], chunks[rank], None, (full,))
-        if not async_op:
-            handle.wait()
-        return handle
+    if peer_half and (full.device.type != "cpu" or world != 2):
+        raise AssertionError("reduce_scatter_into: peer_half is for two host ranks only")
     if full.device.type == "cpu" and world == 2:
-        if scratch is None or scratch.numel() != chunks[rank].numel() or scratch.dtype != full.dtype:
-            raise AssertionError("reduce_scatter_into: a two-rank host reduce-scatter needs a scratch chunk")
         mine, n = chunks[rank], chunks[rank].numel()
+        keep: tuple[torch.Tensor, ...]
+        combine: Callable[[], object] | None
+        if peer_half:  # the own chunk is free: the peer's part lands there and is the result
+            recv, keep, combine = mine, (full,), None
+        else:
+            if scratch is None or scratch.numel() != n or scratch.dtype != full.dtype:
+                raise AssertionError("reduce_scatter_into: a two-rank host reduce-scatter needs a scratch chunk")
+            recv, keep, combine = scratch, (full, scratch), lambda: mine.add_(scratch)
         splits = [n, 0] if rank == 1 else [0, n]  # to and from the peer only
-        work = dist.all_to_all_single(scratch, chunks[1 - rank], splits, splits, group=group, async_op=True)
-        handle = CommHandle(
-            [work] if work is not None else [], mine, None, (full, scratch), combine=lambda: mine.add_(scratch)
-        )
+        work = dist.all_to_all_single(recv, chunks[1 - rank], splits, splits, group=group, async_op=True)
+        handle = CommHandle([work] if work is not None else [], mine, None, keep, combine=combine)
         if not async_op:
             handle.wait()
         return handle
