@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+from zlightning.kernels import _ext
 
 from tests._zero_models import batches, gpt_loss, tiny_gpt
 from zlightning.testing import run_distributed
@@ -171,3 +173,48 @@ def test_two_host_ranks_reduce_without_packing_their_own_half() -> None:
         unit = d["unit_bytes"]
         assert p["max_lent"] - d["max_lent"] >= unit // 2 - 8192, (d["max_lent"], p["max_lent"], unit)
         assert d["max_lent"] <= 2 * unit + 16384, (d["max_lent"], unit)  # the unit computing and the one prefetched
+
+
+def _buffers_above_the_state(rank: int, world: int, prefetch: int | None) -> dict[str, int]:
+    from zlightning.kernels._host_cache import host_cache_stats
+
+    torch.manual_seed(0)
+    width = 512
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(8)]
+    )
+    config = ZeroConfig(prefetch_bucket_size=prefetch)
+    zero = DeepSpeedZeroOptimizer_Stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
+    for step in range(4):
+        x = torch.randn(2, width, generator=torch.Generator().manual_seed(10 * step + rank))
+        zero.backward(model(x).pow(2).mean())
+        zero.step()
+    stats = host_cache_stats()
+    # the optimizer state exists from the first step on, so the peak is a later backward's: the state, the units
+    # gathered and the gradients being reduced
+    return {"above": stats.peak_live_bytes - stats.live_bytes, "unit": 4 * (width * width + width)}
+
+
+@pytest.mark.skipif(not _ext.available(), reason="native kernels not built (the host cache measures the buffers)")
+def test_the_hosts_backward_holds_two_unit_buffers() -> None:
+    # see [Note: the host's backward gathers each unit at its own hook]: the unit computing and its gradient, with
+    # the pool's released buffers reused by autograd; an explicit prefetch size still prefetches in backward
+    for r in run_distributed(_buffers_above_the_state, 2, None, timeout=240):
+        assert r["above"] <= 2.25 * r["unit"], (r["above"], r["unit"])
+    for r in run_distributed(_buffers_above_the_state, 2, 2 * 512 * 513, timeout=240):
+        assert r["above"] >= 2.75 * r["unit"], (r["above"], r["unit"])
+
+
+def test_a_storage_the_pool_frees_is_freed_while_a_late_reference_lives() -> None:
+    # see [Note: a freed step buffer is freed now] in _buffers.py: a collective's work object may still hold a view
+    from zlightning.zero._buffers import StoragePool
+
+    pool = StoragePool(torch.device("cpu"), idle_limit=0)
+    slot = pool.acquire(1 << 20)
+    late = torch.empty(0, dtype=torch.uint8).set_(slot, 0, (1 << 20,), (1,))  # what gloo's work keeps a moment
+    pool.release(slot)
+    assert late.untyped_storage().nbytes() == 0 and pool.allocated_bytes == 0
+    kept = StoragePool(torch.device("cpu"), idle_limit=2 << 20)  # within the idle limit it is kept for reuse
+    slot = kept.acquire(1 << 20)
+    kept.release(slot)
+    assert slot.nbytes() == 1 << 20 and kept.acquire(1 << 20) is slot

@@ -18,7 +18,10 @@ to resizing the group's storage, which is correct and only loses the reuse.
 
 The pool keeps every storage it ever allocated until it holds more idle bytes than ``idle_limit`` (then it frees the
 largest idle ones), so its size settles at the step's peak demand: the prefetch window, the units in use and the
-reductions in flight.
+reductions in flight. Where zlightning's caching host allocator serves CPU tensors (``ZeroConfig.host_cache``), the
+engine sets that limit to 0: the allocator itself keeps freed blocks mapped for the next request of their size, so
+nothing is reallocated from the OS either way, and a block the pool does not hold idle can serve autograd's gradient
+of the unit computing (see [Note: the host's backward gathers each unit at its own hook] in ``_state.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class StoragePool:
             freed = self._idle.pop()
             idle -= freed.nbytes()
             self.allocated_bytes -= freed.nbytes()
+            _free_now(freed)
 
     def lend_into(self, target: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage | None:
         """Gives ``target`` (an empty storage that must keep its identity) at least ``nbytes`` of pool memory.
@@ -115,10 +119,29 @@ class StoragePool:
         (glibc alone) the pool keeps them, which is what stops glibc's heaps from fragmenting.
         """
         self.allocated_bytes -= self.idle_bytes
+        for freed in self._idle:
+            _free_now(freed)
         self._idle = []
 
     def clear(self) -> None:
         """Frees every idle storage (lent ones are freed when returned, as the idle limit is then 0)."""
         self.idle_limit = 0
         self.allocated_bytes -= self.idle_bytes
+        for freed in self._idle:
+            _free_now(freed)
         self._idle = []
+
+
+def _free_now(storage: torch.UntypedStorage) -> None:
+    """Returns a storage's bytes to the allocator now, whoever still references the storage object.
+
+    [Note: a freed step buffer is freed now]
+    A collective's work object keeps the tensors it ran on until gloo's worker thread drops it, which may be a moment
+    after the rank's wait returned. A buffer the pool frees is done with (its collective finished), but while that
+    reference lives, dropping the pool's own only delays the free: the allocation that should have taken its bytes
+    (autograd's gradient of the next unit) gets a fresh block instead, and the step's peak holds one unit more, on
+    some steps and not others. Resizing the storage to 0 bytes frees them at once; a late reference sees an empty
+    storage.
+    """
+    if storage.resizable():
+        storage.resize_(0)

@@ -148,7 +148,9 @@ class ZeroConfig:
     prefetch_bucket_size: Elements | None = None
     """Elements (DeepSpeed ``stage3_prefetch_bucket_size``): how many parameter elements of upcoming units may be
     gathered ahead of use. 0 disables prefetch. None (default): the largest unit's size, so one unit is gathered
-    ahead of the one computing (see [Note: step budgets from units] in ``_state.py``)."""
+    ahead of the one computing (see [Note: step budgets from units] in ``_state.py``), except in a backward on the
+    host, which gathers each unit at its own hook (see [Note: the host's backward gathers each unit at its own hook]);
+    a size given here applies to both passes everywhere."""
 
     param_persistence_threshold: Elements = Elements(100_000)
     """Elements (``stage3_param_persistence_threshold``): parameters with at most this many elements stay gathered
@@ -171,7 +173,8 @@ class ZeroConfig:
     overlap_comm: bool = True
     """Run all-gathers (prefetch) and reduce-scatters asynchronously, overlapping compute (``overlap_comm``). When
     False every collective completes before compute continues: the step's buffers at its peak are two units (the
-    unit computing and its gradient) instead of four, for slower steps (about 10% on the CPU benchmarks)."""
+    unit computing and its gradient) instead of three on devices (on the host the default backward already holds
+    two), for slower steps (about 10% on the CPU benchmarks)."""
 
     reshard_after_forward: bool = True
     """Release each unit's gathered parameters after its forward (FSDP2's ``reshard_after_forward``). False keeps

@@ -200,7 +200,12 @@ class ZeroState:
         )
         self._build(unit_policy)
         self.prefetch_budget, self.reduce_budget = self._budgets()
-        self.pool.idle_limit = self._pool_limit()
+        # see [Note: the host's backward gathers each unit at its own hook]
+        explicit = self.config.prefetch_bucket_size is not None
+        self.backward_prefetch_budget = self.prefetch_budget if explicit or self.device.type != "cpu" else 0
+        # where the caching host allocator serves the buffers, it keeps them for reuse, by the pool and by autograd
+        # alike (see [Note: why the engine pools its step buffers] in _buffers.py)
+        self.pool.idle_limit = 0 if self.host_cached else self._pool_limit()
         if config.offload_optimizer is not None or config.offload_params is not None:
             self.offload = ZeroOffload(self)  # see [Note: what is offloaded where] in _offload.py
             self.group_context.offload = self.offload
@@ -532,7 +537,7 @@ class ZeroState:
         if self.config.overlap_comm and self._last_order:
             pos = self._last_pos.get(id(unit))
             if pos is not None:
-                self._prefetch(self._last_order[pos + 1 :])
+                self._prefetch(self._last_order[pos + 1 :], self.prefetch_budget)
 
     # [Note: a unit's forward inside backward]
     # Activation checkpointing runs a unit's forward again during backward, to rebuild what its backward reads.
@@ -594,24 +599,41 @@ class ZeroState:
         if self.device.type == "cpu":  # see [Note: host reductions finish before the next unit computes]
             while self._pending:
                 self._drain_one()
-        if self.config.overlap_comm and unit in self._order:
+        if self.config.overlap_comm and self.backward_prefetch_budget and unit in self._order:
             pos = self._order.index(unit)
-            self._prefetch([u for u in reversed(self._order[:pos]) if u.reads_params_in_backward])
+            upcoming = [u for u in reversed(self._order[:pos]) if u.reads_params_in_backward]
+            self._prefetch(upcoming, self.backward_prefetch_budget)
 
     # [Note: host reductions finish before the next unit computes]
     # On a device, a unit's reduce-scatter stays in flight through the next unit's backward (one collective hides
     # behind one unit's compute). On the host that moment was the step's peak: the unit computing, the next one
     # prefetched, the autograd gradient being produced and the packed gradient of the reduction in flight, four
     # unit-sized buffers, where the compute it overlaps competes for the same cores as gloo's threads anyway. So
-    # on the host the reduction is finished once the next unit is gathered, before that unit's prefetch, whose
-    # gather then takes the finished reduction's pool slot: the reduction still overlaps the gather of the unit,
-    # and the unit computes with three buffers (itself, the prefetched one, its gradient).
+    # on the host the reduction is finished once the next unit is gathered: the reduction still overlaps the gather
+    # of the unit, and the unit computes beside its own gradient only (see [Note: the host's backward gathers each
+    # unit at its own hook]).
     # Measured through Trainer.fit at 2 ranks (Linear(1024) + Tanh blocks, AdamW): peak resident growth 9.35 ->
     # 9.18 bytes per parameter with 24 blocks, 9.01 -> 8.88 with 32; median step 0.575 -> 0.583 s (three
     # alternating runs each, within this machine's noise).
 
-    def _prefetch(self, upcoming: list[ZeroUnit]) -> None:
-        budget = self.prefetch_budget
+    # [Note: the host's backward gathers each unit at its own hook]
+    # A backward prefetch gathers the next unit while this one computes, and this unit's computing ends by producing
+    # its gradient (autograd's own unit-sized tensors, handed to the reduction): three unit buffers at once, the
+    # step's peak. On the host the gather it hides is a copy through gloo's threads, competing for the cores the
+    # compute runs on, so by default the host's backward prefetches nothing: each unit is gathered at its own
+    # pre-backward hook, while the previous unit's reduction is still in flight (the two collectives overlap each
+    # other), and the unit computes beside its gradient alone: two unit buffers. That holds only because the pool
+    # keeps no idle storage where the caching host allocator serves CPU tensors: the buffer of the reduction finished
+    # at the hook is the block autograd's gradient of this unit takes (a pool holding it would keep the forward's two
+    # slots beside the gradient, three units again). The forward still prefetches one unit (no gradients there), devices prefetch in
+    # both passes, and an explicit ``prefetch_bucket_size`` (or a DeepSpeed config's) is honoured in both passes.
+    # Measured through Trainer.fit at 2 ranks, AdamW (benchmarks/memory.py, 30 steps): 24 x Linear(1024) + Tanh peak
+    # resident growth 9.01-9.02 -> 8.85 bytes per parameter at steps 3 and 30, step 0.335-0.350 -> 0.336 s; 12 x
+    # Linear(2048) + Tanh (few wide units, a unit is 0.33 bytes per parameter) 9.26 -> 8.92, step 0.614 -> 0.569 s;
+    # CPU offload 9.02 -> 8.79, NVMe offload 4.49 -> 4.26 (with [Note: a freed step buffer is freed now] in
+    # _buffers.py, without which the saving came on some steps only).
+
+    def _prefetch(self, upcoming: list[ZeroUnit], budget: int) -> None:
         live = sum(
             g.world * g.shard_numel for g in self.groups if not g.persistent and g.status is not GroupState.SHARDED
         )
