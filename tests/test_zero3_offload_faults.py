@@ -192,10 +192,10 @@ def test_one_rank_gather_prefetch_never_waits_for_a_parameter_read(tmp_path: Pat
             count[0] += inside[0]
             return wait_read(t)
 
-        def marked_prefetch(self, upcoming, prefetch=prefetch, inside=inside):  # type: ignore[no-untyped-def]
+        def marked_prefetch(self, upcoming, budget, prefetch=prefetch, inside=inside):  # type: ignore[no-untyped-def]
             inside[0] = True
             try:
-                return prefetch(self, upcoming)
+                return prefetch(self, upcoming, budget)
             finally:
                 inside[0] = False
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from zlightning._watchdog import watch_engine
+from zlightning._watchdog import wait_for, watch_engine
 from zlightning.zero._buffers import StoragePool
 from zlightning.zero._collectives import CommStreams
 from zlightning.zero._config import ZeroConfig, dtype_from_name
@@ -808,7 +808,9 @@ class ZeroState:
         """See [Note: unused parameters]: pieces no rank used since the last settlement get ``grad=None`` again."""
         used = self._used.to(self.device)
         if self.world_size > 1:
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group)
+            work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            # a failure here (a peer that stopped on diverging collectives) is explained as the engine's own are
+            wait_for(work, "the end of backward's all-reduce of which parameters got gradients", sliced=used.is_cpu)
         used = used.cpu()
         for group in self.groups:
             for zp in group.take_fresh():
