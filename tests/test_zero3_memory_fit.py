@@ -136,6 +136,10 @@ def _capped(rank: int, world: int, kind: str, width: int, depth: int, root: str)
         # process group starts took 40 MB of it at glibc's default stacks (see [Note: thread stacks count against a
         # data limit])
         pytest.param(1024, 10, id="10.5M"),
+        # few wide units: 4 of 16 MiB, each 1 byte per parameter; the host's backward holds two of them beside the
+        # sharded state, where a backward prefetch held three (see [Note: the host's backward gathers each unit at
+        # its own hook])
+        pytest.param(2048, 4, id="16.8M-4-units"),
     ],
 )
 def test_fit_save_and_consolidate_under_a_cap_that_ddp_cannot_meet(tmp_path: Path, width: int, depth: int) -> None:
