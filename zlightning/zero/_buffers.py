@@ -141,7 +141,9 @@ def _free_now(storage: torch.UntypedStorage) -> None:
     reference lives, dropping the pool's own only delays the free: the allocation that should have taken its bytes
     (autograd's gradient of the next unit) gets a fresh block instead, and the step's peak holds one unit more, on
     some steps and not others. Resizing the storage to 0 bytes frees them at once; a late reference sees an empty
-    storage.
+    storage. Host storages only: a device collective's work object may keep its tensors until the collective's
+    kernels are done on their stream (NCCL's stash instead of ``record_stream``), which is what keeps the bytes from
+    being reused under it.
     """
-    if storage.resizable():
+    if storage.device.type == "cpu" and storage.resizable():
         storage.resize_(0)
