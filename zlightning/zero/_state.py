@@ -625,8 +625,9 @@ class ZeroState:
     # other), and the unit computes beside its gradient alone: two unit buffers. That holds only because the pool
     # keeps no idle storage where the caching host allocator serves CPU tensors: the buffer of the reduction finished
     # at the hook is the block autograd's gradient of this unit takes (a pool holding it would keep the forward's two
-    # slots beside the gradient, three units again). The forward still prefetches one unit (no gradients there), devices prefetch in
-    # both passes, and an explicit ``prefetch_bucket_size`` (or a DeepSpeed config's) is honoured in both passes.
+    # slots beside the gradient, three units again). The forward still prefetches one unit (no gradients there),
+    # devices prefetch in both passes, and an explicit ``prefetch_bucket_size`` (or a DeepSpeed config's) is honoured
+    # in both passes.
     # Measured through Trainer.fit at 2 ranks, AdamW (benchmarks/memory.py, 30 steps): 24 x Linear(1024) + Tanh peak
     # resident growth 9.01-9.02 -> 8.85 bytes per parameter at steps 3 and 30, step 0.335-0.350 -> 0.336 s; 12 x
     # Linear(2048) + Tanh (few wide units, a unit is 0.33 bytes per parameter) 9.26 -> 8.92, step 0.614 -> 0.569 s;
