@@ -126,10 +126,7 @@ class StoragePool:
     def clear(self) -> None:
         """Frees every idle storage (lent ones are freed when returned, as the idle limit is then 0)."""
         self.idle_limit = 0
-        self.allocated_bytes -= self.idle_bytes
-        for freed in self._idle:
-            _free_now(freed)
-        self._idle = []
+        self.release_idle()
 
 
 def _free_now(storage: torch.UntypedStorage) -> None:
