@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zlightning-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo demo-short test lint bench gpu-check clean
+.PHONY: install demo demo-short test lint docs docs-check docs-serve browser bench gpu-check clean
 
 install: $(STAMP)
 
@@ -32,7 +32,7 @@ demo: $(STAMP)
 demo-short: $(STAMP)
 	$(PY) examples/demo.py --short
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs browser
 	@echo ">> running the test suite"
 	@$(PY) -m pytest -q tests --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
@@ -47,6 +47,26 @@ lint: $(STAMP)
 	$(PY) -m mypy zlightning
 	$(PY) -m mypy kernels
 	$(PY) -m mypy strategies datamodules
+
+# The documentation site (mkdocs.yml, docs/): guides and the API reference generated from the docstrings, built
+# strictly (any warning fails) into site/. Part of `make test`; tests/test_docs_site.py checks the built pages in a
+# headless Chromium and tests/test_docs_snippets.py runs every code block.
+docs: $(STAMP)
+	@echo ">> building the documentation site into site/ (strict)"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+# A headless Chromium renders the built home page and an API page, and fails on a blank or broken page.
+docs-check: docs browser
+	$(PY) -m pytest -q tests/test_docs_site.py
+
+# Debian's Chromium for the docs check (installed once, when missing and apt-get can run).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		echo ">> installing chromium (Debian) for the docs check"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 bench: $(STAMP)
 	@echo ">> side-by-side benchmark: DDP, FSDP2, DeepSpeed ZeRO-3 (separate venv), zstack_zero3"
@@ -67,4 +87,4 @@ gpu-check:
 	fi
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache kernels/build
+	rm -rf $(VENV) runs lightning_logs .pytest_cache kernels/build site build/docs-api

@@ -218,8 +218,14 @@ class PipelineStrategy(LaunchedParallelStrategy):
             ``Trainer(precision="16-mixed")`` adds the default ``LossScalerConfig()`` when ``config`` has none.
         tensor_parallel_size: TP ranks per stage (PP x DP x TP grid; see [Note: PP x TP in Lightning]); also settable
             as ``config.tensor_parallel_size``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
-        process_group_backend, timeout, start_method: as Lightning's DDP strategy.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        process_group_backend: as Lightning's DDP strategy.
+        timeout: as Lightning's DDP strategy.
+        start_method: as Lightning's DDP strategy.
     """
 
     strategy_name = "zstack_pipeline"

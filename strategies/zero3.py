@@ -115,7 +115,11 @@ class ZStackZero3Strategy(LaunchedParallelStrategy):
             batch-size keys are checked against the Trainer, and unsupported keys are all reported in one error.
             Given together with ``zero``/``checkpoint`` (e.g. ``--trainer.strategy.config=ds.json`` on top of a
             YAML's ``zero:`` knobs), the config's settings win and the other knobs are kept; one line lists both.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
         process_group_backend: ``"gloo"``/``"nccl"``; default: gloo on CPU, nccl on CUDA.
         timeout: collective timeout (a hung rank fails after this instead of blocking forever).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` or

@@ -72,7 +72,13 @@ class TensorBoardLogger(_LightningTensorBoardLogger):
     TensorBoard sections]). Same arguments as Lightning's, plus:
 
     Args:
-        save_dir, name, version, log_graph, prefix, sub_dir, kwargs: as Lightning's ``TensorBoardLogger``.
+        save_dir: as Lightning's ``TensorBoardLogger``.
+        name: as Lightning's ``TensorBoardLogger``.
+        version: as Lightning's ``TensorBoardLogger``.
+        log_graph: as Lightning's ``TensorBoardLogger``.
+        prefix: as Lightning's ``TensorBoardLogger``.
+        sub_dir: as Lightning's ``TensorBoardLogger``.
+        kwargs: as Lightning's ``TensorBoardLogger``.
         default_hp_metric: write Lightning's placeholder ``hp_metric`` (-1); off here.
         sections: ``(regex, replacement)`` rules; None: `SECTION_RULES`; ``()`` keeps every tag as logged.
 

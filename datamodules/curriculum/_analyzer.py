@@ -164,8 +164,11 @@ class DataAnalyzer:
         num_threads_reduce: DeepSpeed's; accepted (the reduce here is sequential).
         specific_threads: DeepSpeed's: map only these thread ids of this worker (empty: all), e.g. to rerun one
             that failed; the reduce needs every thread's chunks.
-        custom_map_init, custom_map_update, custom_map_finalize, custom_reduce, sample_indices: DeepSpeed's
-            hooks; not supported (NotImplementedError when given).
+        custom_map_init: DeepSpeed's hook; not supported (NotImplementedError when given).
+        custom_map_update: DeepSpeed's hook; not supported (NotImplementedError when given).
+        custom_map_finalize: DeepSpeed's hook; not supported (NotImplementedError when given).
+        custom_reduce: DeepSpeed's hook; not supported (NotImplementedError when given).
+        sample_indices: DeepSpeed's; not supported (NotImplementedError when given).
         collate_fn: DataLoader collate function (default: PyTorch's).
         pad_token_id: Padding token of the built-in metrics.
         token_counts: Dataset token histogram for ``vocab_rarity`` (computed by a first pass when None).

@@ -268,7 +268,8 @@ class WeightQuantization(CompressionCallback):
         quantize_groups: Bands of rows with their own scale per Linear/Conv2d weight (Embeddings: per token).
         rounding: ``"nearest"`` or ``"stochastic"`` (training only).
         schedule_offset: First optimizer step at which weights are quantized.
-        clean_at_end, export_path: See `CompressionCallback`.
+        clean_at_end: See `CompressionCallback`.
+        export_path: See `CompressionCallback`.
     """
 
     def __init__(
@@ -311,8 +312,9 @@ class ActivationQuantization(CompressionCallback):
         range_calibration: ``"dynamic"`` (a range per token / per image, every call) or ``"static"`` (one range, a
             moving average updated in training and frozen in eval).
         schedule_offset: First optimizer step at which inputs are quantized.
-        clean_at_end, export_path: See `CompressionCallback` (activation quantization stays in the module: it is
-            not baked into a cleaned or exported model).
+        clean_at_end: See `CompressionCallback` (activation quantization stays in the module: it is not baked
+            into a cleaned or exported model).
+        export_path: See `CompressionCallback`.
     """
 
     def __init__(
@@ -346,7 +348,8 @@ class SparsePruning(CompressionCallback):
         method: ``"l1"`` (largest magnitudes when the technique starts, then fixed) or ``"topk"`` (learnable scores).
         schedule_offset: First optimizer step at which the mask applies.
         schedule_offset_end: With ``topk``, the step after which the mask is frozen (None: never).
-        clean_at_end, export_path: See `CompressionCallback`.
+        clean_at_end: See `CompressionCallback`.
+        export_path: See `CompressionCallback`.
     """
 
     def __init__(
@@ -379,7 +382,8 @@ class RowPruning(CompressionCallback):
             removed with the rows when the model is cleaned (None: the rows are zeroed, not removed).
         method: ``"l1"`` (row L1 norm) or ``"topk"`` (a learnable score per row).
         schedule_offset: First optimizer step at which the mask applies.
-        clean_at_end, export_path: See `CompressionCallback`.
+        clean_at_end: See `CompressionCallback`.
+        export_path: See `CompressionCallback`.
     """
 
     def __init__(
@@ -412,7 +416,8 @@ class HeadPruning(CompressionCallback):
         method: ``"topk"`` (a learnable score per head) or ``"l1"``.
         num_heads: Heads per layer; None: read from the projection's parent module.
         schedule_offset: First optimizer step at which the mask applies.
-        clean_at_end, export_path: See `CompressionCallback`.
+        clean_at_end: See `CompressionCallback`.
+        export_path: See `CompressionCallback`.
     """
 
     def __init__(
@@ -444,7 +449,8 @@ class ChannelPruning(CompressionCallback):
             BatchNorm2d removed with the channels when the model is cleaned.
         method: ``"l1"`` (per-channel L1 norm) or ``"topk"``.
         schedule_offset: First optimizer step at which the mask applies.
-        clean_at_end, export_path: See `CompressionCallback`.
+        clean_at_end: See `CompressionCallback`.
+        export_path: See `CompressionCallback`.
     """
 
     def __init__(

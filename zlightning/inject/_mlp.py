@@ -157,7 +157,8 @@ class FusedMLP(nn.Module):
         gate: name of the gate projection of a gated MLP (``down(act(gate(x)) * up(x))``), or None.
         act: the activation.
         modules: the children by name (projections, dropouts).
-        hidden_drop / out_drop: names of dropouts applied to the hidden activation / the output, or None.
+        hidden_drop: name of the dropout applied to the hidden activation, or None.
+        out_drop: name of the dropout applied to the output, or None.
         recompute: save only the pre-activation and recompute the activation in backward (less memory); False
             also saves the activation output (the hidden tensor the down projection reads), trading memory for time.
     """

@@ -114,7 +114,11 @@ class GPTPipelineModule(LightningModule):
     ``zlightning fit --config examples/gpt_pipeline.yaml`` trains it on 2 processes.
 
     Args:
-        vocab_size, seq_len, d_model, n_layer, n_head: the architecture (see `GPTConfig`).
+        vocab_size: the architecture (see `GPTConfig`).
+        seq_len: the architecture (see `GPTConfig`).
+        d_model: the architecture (see `GPTConfig`).
+        n_layer: the architecture (see `GPTConfig`).
+        n_head: the architecture (see `GPTConfig`).
         lr: peak AdamW learning rate, reached after ``warmup_steps`` optimizer steps.
         weight_decay: AdamW weight decay on matrices and embeddings (not on biases and norms).
 

@@ -50,7 +50,9 @@ class TiedLayerSpec(LayerSpec):
 
     Args:
         key: identifies the tie group.
-        typename, module_args, module_kwargs: as ``LayerSpec``.
+        typename: as ``LayerSpec``.
+        module_args: as ``LayerSpec``.
+        module_kwargs: as ``LayerSpec``.
         forward_fn: ``forward_fn(module, inputs)`` to run this position differently (e.g. the head multiplies by
             ``module.weight``); default: ``module(inputs)``.
         tied_weight_attr: names (dotted paths allowed) of the parameters the positions share (DeepSpeed's
