@@ -1,4 +1,4 @@
-"""Config parsing (DeepSpeed compression_training), module selection, and the upstream bugs of issue 6."""
+"""Config parsing (DeepSpeed compression_training), module selection, and the upstream bugs it avoids."""
 
 import ast
 import dataclasses

@@ -1,4 +1,4 @@
-"""Single-process tests of `DeepSpeedDataSampler`: every invariant of spec 4.1 and the upstream fixes of issue 4."""
+"""Single-process tests of `DeepSpeedDataSampler`: every invariant of spec 4.1 and the upstream fixes it carries."""
 
 from __future__ import annotations
 

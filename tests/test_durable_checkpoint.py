@@ -1,4 +1,4 @@
-"""Durable, atomic checkpoints (issue 18, part 1): the publication primitives of ``zlightning/_durable.py`` one by one,
+"""Durable, atomic checkpoints: the publication primitives of ``zlightning/_durable.py`` one by one,
 then real 2-rank ``Trainer.fit`` runs SIGKILLed at random moments and a save that runs out of disk space."""
 
 from __future__ import annotations

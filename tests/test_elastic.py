@@ -1,4 +1,4 @@
-"""Elastic restart (issue 18): ``examples/elastic.py`` under ``torchrun --nnodes=1:2 --max-restarts`` on two hosts
+"""Elastic restart: ``examples/elastic.py`` under ``torchrun --nnodes=1:2 --max-restarts`` on two hosts
 (network namespaces joined by a veth pair): a host that dies makes the other continue alone, from ``last``, at the
 new world size.
 

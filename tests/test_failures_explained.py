@@ -1,4 +1,4 @@
-"""Failures and hangs that explain themselves (issue 18, part 3): a SIGKILLed peer is named with how it ended and
+"""Failures and hangs that explain themselves: a SIGKILLed peer is named with how it ended and
 what this rank was doing, diverging ZeRO-3 control flow (an extra forward, a skipped module) raises on every rank
 naming the first divergence, and a pipeline stage whose peer stops sending names the peer stage and the action
 (see ``zlightning/_watchdog.py``). Real 2-rank fits forked from a pre-imported parent, watchdog timeout 3 s."""

@@ -1,4 +1,4 @@
-"""Context-parallel attention for the hybrid-CP wrapper (issue 8): single-process parts and the block helpers.
+"""Context-parallel attention for the hybrid-CP wrapper: single-process parts and the block helpers.
 
 The 2- and 4-rank checks (CP attention against full-sequence causal SDPA on every aligned block, GPT training parity)
 run in `test_hybrid_cp_distributed.py`, one spawn per world size; `_reference` and `_run_block` here serve both.

@@ -1,4 +1,4 @@
-"""Shape-derived and measured cost models for the hybrid-CP scheduler (issue 8), and the lockstep micro-step plan."""
+"""Shape-derived and measured cost models for the hybrid-CP scheduler, and the lockstep micro-step plan."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every multi-process check of hybrid context parallel (issue 8), on 2 and 4 gloo ranks, one spawn per world size.
+"""Every multi-process check of hybrid context parallel, on 2 and 4 gloo ranks, one spawn per world size.
 
 What is proven (each in its own test, asserted in the parent against single-process references):
 - CP attention forward and backward equal full-sequence causal SDPA for every aligned block, through both the direct

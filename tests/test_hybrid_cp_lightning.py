@@ -1,4 +1,4 @@
-"""Hybrid CP through Lightning (issue 8): `HybridCPTextDataModule` and `HybridCPGPTModule`, single-process parts.
+"""Hybrid CP through Lightning: `HybridCPTextDataModule` and `HybridCPGPTModule`, single-process parts.
 
 The corpus is a directory of real text files (pieces of the standard library's ``textwrap.py`` of varied lengths), so
 the packed samples hold several documents each and the scheduler sees genuinely variable lengths. The real 2-rank

@@ -1,4 +1,4 @@
-"""HybridCPDataLoaderWrapper: unpacking, validation and zigzag sharding in one process (issue 8).
+"""HybridCPDataLoaderWrapper: unpacking, validation and zigzag sharding in one process.
 
 Reroute correctness on 2 and 4 gloo ranks (spec §4.2.7) runs in `test_hybrid_cp_distributed.py`, one spawn per
 world size.

@@ -1,4 +1,4 @@
-"""PP x TP (issue 7): pipeline stages made tensor-parallel with ``zlightning.inject``, on real gloo ranks, against a
+"""PP x TP: pipeline stages made tensor-parallel with ``zlightning.inject``, on real gloo ranks, against a
 single-process reference.
 
 One spawn of 4 ranks runs, on the same process group: a Lightning ``Trainer(strategy=PipelineStrategy(num_stages=2,

@@ -1,4 +1,4 @@
-"""Preemption (issue 18, part 2): SIGTERM during ``fit`` finishes the step in progress on every rank, saves one
+"""Preemption: SIGTERM during ``fit`` finishes the step in progress on every rank, saves one
 checkpoint, exits with 143 within a bound, and ``ckpt_path="last"`` continues exactly (see [Note: preemption] in
 ``strategies/_preemption.py``). Real 2-rank ``zstack_zero3`` fits, forked from a pre-imported parent."""
 

@@ -1,4 +1,4 @@
-"""SLURM (issue 18): every zstack strategy runs through Lightning's ``SLURMEnvironment`` when the variables are set
+"""SLURM: every zstack strategy runs through Lightning's ``SLURMEnvironment`` when the variables are set
 the way ``srun --nodes=2 --ntasks-per-node=1`` sets them for its 2 tasks (here two processes of one machine, each
 playing one node)."""
 
