@@ -358,7 +358,8 @@ def main() -> int:
     _write(args.out, tests_rc, {})
     results = measure(args, tests_rc)
     print(f"wrote {args.out}")
-    return 0 if tests_rc in (0, None, 5) and all(r["status"] == "ok" for r in results.values()) else 1
+    # pytest exit 5 (nothing collected) fails the check: the GPU tests it exists to run did not run
+    return 0 if tests_rc in (0, None) and all(r["status"] == "ok" for r in results.values()) else 1
 
 
 if __name__ == "__main__":

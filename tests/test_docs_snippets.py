@@ -172,7 +172,11 @@ def test_yaml_and_json_blocks_parse() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first,code", PROGRAMS, ids=[first.where for first, _ in PROGRAMS])
+@pytest.mark.parametrize(
+    "first,code",
+    [pytest.param(first, code, marks=[pytest.mark.gpu] if first.marker == "gpu" else []) for first, code in PROGRAMS],
+    ids=[first.where for first, _ in PROGRAMS],
+)
 def test_program_runs_as_written(first: Block, code: str, tmp_path: Path) -> None:
     if first.marker == "gpu" and not torch.cuda.is_available():
         pytest.skip("a CUDA program: runs under make gpu-check")

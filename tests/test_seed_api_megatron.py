@@ -277,6 +277,7 @@ def _nccl_worker(rank: int, n: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
 def test_nccl_path_returns_cuda_sub_samples() -> None:
     (res,) = run_distributed(_nccl_worker, 1, timeout=300, init_process_group=False)
