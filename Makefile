@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zlightning-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo demo-short test lint docs docs-check docs-serve browser bench gpu-check clean
+.PHONY: install demo demo-short test lint docs docs-check docs-serve browser deepspeed-venv bench gpu-check clean
 
 install: $(STAMP)
 
@@ -32,7 +32,7 @@ demo: $(STAMP)
 demo-short: $(STAMP)
 	$(PY) examples/demo.py --short
 
-test: $(STAMP) lint docs browser
+test: $(STAMP) lint docs browser deepspeed-venv
 	@echo ">> running the test suite"
 	@$(PY) -m pytest -q tests --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
@@ -67,6 +67,16 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 		echo ">> installing chromium (Debian) for the docs check"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+# DeepSpeed 0.19.8 from PyPI in its own venv (DS_BUILD_OPS=0), never in .venv: the interoperability tests (its
+# sampler state, its checkpoints, its own APIs called side by side) and the benchmarks' DeepSpeed peer run in it.
+# About a minute the first time; the stamp keeps later runs from re-checking it.
+DS_STAMP := benchmarks/.venv-deepspeed/.zlightning-ready
+deepspeed-venv: $(DS_STAMP)
+
+$(DS_STAMP): benchmarks/setup_deepspeed_venv.sh
+	bash benchmarks/setup_deepspeed_venv.sh $(PYTHON)
+	@touch $(DS_STAMP)
 
 bench: $(STAMP)
 	@echo ">> side-by-side benchmark: DDP, FSDP2, DeepSpeed ZeRO-3 (separate venv), zstack_zero3"
