@@ -50,7 +50,7 @@ def test_partition_methods_on_gpt() -> None:
         gpt_pipeline(cfg).partition(9)
     with pytest.raises(ValueError, match="unknown partition_method"):
         gpt_pipeline(cfg, partition_method="balanced")
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match=r"partition_method='profile' is not implemented; use 'parameters'"):
         gpt_pipeline(cfg, partition_method="profile")
 
 

@@ -228,7 +228,7 @@ def _check_states(stage_states: list[dict[str, torch.Tensor]], ref: dict[str, to
     seen: set[str] = set()
     for state in stage_states:
         for name, value in state.items():
-            torch.testing.assert_close(value, ref[name], **TOL, msg=name)
+            torch.testing.assert_close(value, ref[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
             seen.add(name)
     assert seen == set(ref), f"parameters never checked: {sorted(set(ref) - seen)}"
 
