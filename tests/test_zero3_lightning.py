@@ -133,7 +133,7 @@ def _precision_one_process(rank: int, world: int, precision: str) -> dict[str, A
 # 1.7e-7 (fp32), 1.2e-4 (bf16), 7.7e-5 (fp16); the mixed precisions round differently where the batch is split
 TOLERANCE = {"32-true": 1e-5, "bf16-mixed": 5e-4, "16-mixed": 5e-4}
 # the norm of (2-rank parameters - one process's) over the norm of one process's 6-step update, measured: 3.6e-6
-# (fp32), 0.041 (bf16), 0.016 (fp16): the mixed precisions' rounding, with room; another trajectory is far outside
+# (fp32), 0.041 (bf16), 0.016 (fp16): the mixed precisions' rounding, with room
 UPDATE_TOLERANCE = {"32-true": 1e-4, "bf16-mixed": 0.1, "16-mixed": 0.1}
 
 
