@@ -17,6 +17,7 @@ Charts:
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -226,8 +227,12 @@ _CHARTS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
 }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Renders every chart whose results JSON exists under ``benchmarks/results``."""
+    argparse.ArgumentParser(
+        description="Redraw the charts zero3.png, memory.png, pipeline.png and offload.png from the stored "
+        "benchmarks/results/<name>.json (nothing is re-run)."
+    ).parse_args(argv)
     if _pyplot() is None:
         print("matplotlib is not installed (pip install 'zlightning[bench]'): no charts drawn")
         return 0

@@ -1,5 +1,5 @@
-"""Issue 7 benchmark: eager vs compiled ZeRO-3 (per-unit mode, graph mode, graph mode + unshard budget) vs eager and
-compiled DDP, a communication-free compute baseline, and TP=2 vs DP=2, on the benchmark GPT.
+"""Compile and injection benchmark: eager vs compiled ZeRO-3 (per-unit mode, graph mode, graph mode + unshard
+budget) vs eager and compiled DDP, a communication-free compute baseline, and TP=2 vs DP=2, on the benchmark GPT.
 
 Run: ``python benchmarks/compile_inject.py [--model bench|small] [--quick]``. Every variant runs on 2 gloo ranks
 (1 thread each) and trains `examples.gpt_model.GPT` on the same tokens; the step time is the median wall time of the
@@ -9,7 +9,7 @@ counted per variant, and every variant's collectives are also timed alone (the c
 ``benchmarks/results/compile_inject.{json,md}`` (``--model small``: ``compile_inject_small.*``).
 
 ``--model bench`` (the default) is the benchmark GPT of ``benchmarks/zero3.py`` (``_bench_common.BenchConfig``: d512
-x 6 blocks, seq 256, 8 samples per rank); ``--model small`` the earlier d256 x 4, seq 128, 4 samples per rank, where
+x 6 blocks, seq 256, 8 samples per rank); ``--model small`` a smaller d256 x 4, seq 128, 4 samples per rank, where
 each collective's fixed gloo latency (~2 ms) is a large share of a 0.2 s step.
 """
 
@@ -294,7 +294,7 @@ def main() -> None:
     stem = "compile_inject" if results["model"] == "bench" else f"compile_inject_{results['model']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     lines = [
-        "# compile + inject benchmark (issue 7)",
+        "# compile + inject benchmark",
         "",
         f"GPT {cfg.d_model}d x {cfg.n_layer} layers, seq {cfg.seq_len}, {batch} samples/rank/step (TP: "
         f"{2 * batch} on the one replica), 2 gloo ranks on CPU, median of {timed} steps after {warmup} "

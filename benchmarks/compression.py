@@ -286,7 +286,7 @@ def _markdown(result: dict[str, Any]) -> str:
         "ppl / fp32 same steps: against the base model for the post-training row, against the fp32 model "
         "fine-tuned the same number of steps for the others.",
         "",
-        "Targets of issue 6: int8 weights within 1% perplexity, 50% sparse after fine-tuning within 5%, int8 "
+        "Targets: int8 weights within 1% perplexity, 50% sparse after fine-tuning within 5%, int8 "
         "export at least 3.5x smaller than fp32.",
         "",
     ]

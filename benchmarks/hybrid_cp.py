@@ -1,4 +1,4 @@
-"""Balance of the hybrid-CP scheduler on random trials, against the upstream (Megatron) numbers of issue 8.
+"""Balance of the hybrid-CP scheduler on random trials, against quoted numbers of Megatron's scheduler.
 
 Run it with ``.venv/bin/python benchmarks/hybrid_cp.py`` (``--trials N``, ``--seed S``). No process group is needed:
 `schedule_hybrid_cp` is a pure function. Each trial draws 64 sub-sample lengths uniformly in [64, 16384] and schedules
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` an
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_cp.json"
 UPSTREAM = {"efficiency": 0.986, "groups_per_batch": 3.4, "mean_cp_size": 3.44, "p90_group_imbalance": 0.53}
-"""Megatron BalancedCPScheduler on the same trials (issue 8 / spec data-pipeline.md §4.2 item 9)."""
+"""Megatron's BalancedCPScheduler on trials of the same shape: quoted, not re-run here."""
 
 NUM_LENGTHS, MIN_LEN, MAX_LEN, RANKS, MAX_SEQLEN_PER_RANK = 64, 64, 16384, 8, 4096
 
@@ -93,10 +93,10 @@ def run(trials: int, seed: int) -> dict[str, object]:
         "trivial_all_ranks": {"efficiency": 1.0, "groups_per_batch": 1.0, "mean_cp_size": float(RANKS)},
         "verdict": verdict,
         "notes": (
-            "Upstream numbers are quoted from issue 8, not re-run here. min_mean_cp_size is the token-weighted CP size "
-            "with every sub-sample at its needed power-of-two size, the floor for any scheduler that respects "
-            "max_seqlen_per_rank; upstream's 3.44 is that floor (up to trial noise), so 'not worse' on CP size means "
-            "'no widening'."
+            "Upstream numbers are Megatron's BalancedCPScheduler's, quoted, not re-run here. min_mean_cp_size is the "
+            "token-weighted CP size with every sub-sample at its needed power-of-two size, the floor for any scheduler "
+            "that respects max_seqlen_per_rank; upstream's 3.44 is that floor (up to trial noise), so 'not worse' on "
+            "CP size means 'no widening'."
         ),
     }
 
@@ -108,7 +108,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# Hybrid CP benchmark",
         "",
         f"Scheduler on random trials ({result['config']['trials']} trials, 64 lengths uniform in [64, 16384], 8 ranks, "
-        "max_seqlen_per_rank 4096, cost L²/cp); upstream numbers quoted from issue 8.",
+        "max_seqlen_per_rank 4096, cost L²/cp); upstream: Megatron's BalancedCPScheduler, quoted, not re-run.",
         "",
         "| metric | zlightning | upstream (Megatron) |",
         "|---|---|---|",

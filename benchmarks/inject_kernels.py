@@ -1,4 +1,4 @@
-"""Fused-kernel injection benchmark (issue 7): `FusedMLP` vs the original MLP modules, forward + backward on CPU.
+"""Fused-kernel injection benchmark: `FusedMLP` vs the original MLP modules, forward + backward on CPU.
 
 For each MLP (the example GPT's ``Linear -> GELU -> Linear`` and a Llama-like gated SiLU MLP) it times one training
 forward + backward of the original module and of its ``module_inject`` replacement, interleaved round-robin (so both
@@ -128,7 +128,7 @@ def run(quick: bool) -> dict[str, Any]:
 def _markdown(out: dict[str, Any]) -> str:
     c = out["config"]
     lines = [
-        "# Fused-kernel injection benchmark (issue 7)",
+        "# Fused-kernel injection benchmark",
         "",
         f"`FusedMLP` (from `module_inject`) vs the original MLP module, one training forward + backward on CPU: "
         f"d_model {c['d_model']}, {c['tokens']} tokens, {c['threads']} threads, torch {c['torch']}; median of "

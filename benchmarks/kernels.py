@@ -1,4 +1,6 @@
-"""Native kernels benchmark (issue 9), side by side in one run. Results: benchmarks/results/kernels.{json,md}.
+"""Native kernels benchmark (CPU Adam, async I/O, quantize), side by side in one run.
+
+Results: benchmarks/results/kernels.{json,md}.
 
     .venv/bin/python benchmarks/kernels.py            # 50M-param AdamW, 2 GiB I/O, 64M-element quantize
     .venv/bin/python benchmarks/kernels.py --quick    # 10M params, 256 MiB I/O, 16M elements
@@ -411,7 +413,7 @@ def bench_quant(numel: int, repeats: int) -> dict[str, Row]:
 
 
 def evaluate_targets(res: dict[str, Any]) -> dict[str, Row]:
-    """The issue's targets, each with the measured value and whether it was met (None: peer not measured)."""
+    """The targets, each with the measured value and whether it was met (None: peer not measured)."""
     adam, io = res["adam"], res["io"]
     best = next((k for k in adam if k.startswith("CPUAdam (") and "copy" not in k and "avx2" not in k), None)
     one_pass = next((k for k in adam if k.startswith("CPUAdam (") and "copy" in k), None)

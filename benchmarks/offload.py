@@ -30,7 +30,7 @@ The in-memory baselines (``zero3``, ``mlp_zero3`` and DeepSpeed's ``ds_zero3``, 
 ``AdamW`` (foreach); the offload variants step with a CPU Adam kernel (ours: ``zlightning.kernels``, DeepSpeed's:
 ``DeepSpeedCPUAdam``), so a ratio below 1 means the faster kernel Adam outweighed the swapping.
 
-With ``--deepspeed`` the issue's peer runs in the same invocation: DeepSpeed ZeRO-3 in memory and with NVMe optimizer
+With ``--deepspeed`` DeepSpeed runs beside it in the same invocation: DeepSpeed ZeRO-3 in memory and with NVMe optimizer
 offload, on the GPT and on the MLP (``offload_deepspeed_worker.py`` in ``benchmarks/.venv-deepspeed``, its
 ``async_io`` op built against ``libaio-dev``), and DeepSpeed's ``aio_handle`` in the swap-throughput rounds
 (through ``kernels_deepspeed_worker.py``). When that venv or libaio is missing the peer is recorded as unavailable.
@@ -462,11 +462,11 @@ TARGETS = {
     "mlp_nvme_opt": 1.15,
     "mlp_nvme_opt_sib": 1.15,
 }
-"""The issue's targets: NVMe step / our in-memory step."""
+"""The targets: NVMe step / our in-memory step."""
 
 
 def _verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The issue's targets, each with its measured value and ``met`` (None when a side did not run)."""
+    """The targets, each with its measured value and ``met`` (None when a side did not run)."""
     res, ratios, tp = report["results"], report["ratios_to_in_memory"], report["swap_throughput"]["rows"]
 
     def row(value: float | None, target: str, met: bool | None) -> dict[str, Any]:
@@ -492,7 +492,7 @@ def _verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         )
     for rw in ("write", "read"):
         mine = tp["ours"].get(f"{rw}_MBps")
-        for peer, target in (("deepspeed_aio", ">= 1 (issue's target)"), ("fio", "reference")):
+        for peer, target in (("deepspeed_aio", ">= 1 (target)"), ("fio", "reference")):
             other = tp.get(peer, {}).get(f"{rw}_MBps")
             value = mine / other if mine and other else None
             out[f"swap_{rw}_x_{peer}"] = row(value, target, None if value is None or peer == "fio" else value >= 1)
@@ -569,7 +569,7 @@ def main() -> None:
         "ratios_per_repetition": ratio_runs,
         "swap_throughput": throughput,
         "deepspeed": ds_status if args.deepspeed or ds_status != "ok" else "not run (pass --deepspeed)",
-        "deepspeed_reference_from_issue": {"nvme_opt": 1.095},
+        "deepspeed_reference_quoted": {"nvme_opt": 1.095},
         "cpu_count": os.cpu_count(),
         "loadavg": list(os.getloadavg()),
         "loadavg_at_run_starts": {

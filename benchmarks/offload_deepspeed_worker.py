@@ -1,4 +1,4 @@
-"""One DeepSpeed ZeRO-3 run for ``benchmarks/offload.py`` (the issue's peer), in ``benchmarks/.venv-deepspeed``.
+"""One DeepSpeed ZeRO-3 run, DeepSpeed's side of ``benchmarks/offload.py``, in ``benchmarks/.venv-deepspeed``.
 
 ``python offload_deepspeed_worker.py VARIANT CONFIG_JSON SWAP_DIR OUT_JSON MLP_WIDTH`` with the rendezvous variables
 set. Variants: ``ds_zero3`` (in-memory, torch AdamW, as ``benchmarks/zero3.py``) and ``ds_nvme_opt`` (optimizer

@@ -217,14 +217,27 @@ def _make_targets() -> frozenset[str]:
     return frozenset(re.findall(r"^([\w-]+):", text, flags=re.M))
 
 
-def _run(args: list[str], timeout: int = 180) -> subprocess.CompletedProcess[str]:
+@cache
+def _run_cached(args: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs a check once per distinct command line (pages show one script with several flag sets)."""
+    return _run_cached(tuple(args))
 
 
 _BIN = Path(sys.executable).parent
 _ZL_RUN_COMMANDS = {"fit", "validate", "test", "predict"}
 _NOT_RUN = {"pip", "torchrun", "tensorboard", "cd", "export", "git", "srun", "sbatch", "fio", "apt-get", "bash"}
+
+
+def _unknown_flags(args: list[str], help_text: str) -> str | None:
+    """The ``--flags`` of a command line that its ``--help`` does not list."""
+    flags = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    unknown = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", help_text))
+    return f"flags its --help does not list: {unknown}" if unknown else None
 
 
 def _check_command(args: list[str]) -> str | None:
@@ -246,6 +259,8 @@ def _check_command(args: list[str]) -> str | None:
             proc = _run([str(_BIN / "zlightning"), *args[1:]])
         else:
             proc = _run([str(_BIN / "zlightning"), sub, "--help"])
+            if proc.returncode == 0:
+                return _unknown_flags(args[2:], proc.stdout)
         return None if proc.returncode == 0 else f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"
     if head in ("python", "python3"):
         rest = args[1:]
@@ -260,7 +275,9 @@ def _check_command(args: list[str]) -> str | None:
             if not script.is_file():
                 return f"no such script {rest[0]}"
             proc = _run([sys.executable, str(script), "--help"])
-        return None if proc.returncode == 0 else f"--help exit {proc.returncode}: {proc.stderr[-1500:]}"
+        if proc.returncode != 0:
+            return f"--help exit {proc.returncode}: {proc.stderr[-1500:]}"
+        return _unknown_flags(rest[1:] if rest[0] != "-m" else rest[2:], proc.stdout)
     if head in _NOT_RUN:
         missing = [
             a for a in args[1:] if re.match(r"^(examples|benchmarks|tests|docs)/", a) and not (ROOT / a).exists()
