@@ -48,20 +48,30 @@ from zlightning.zero._swap_io import SwapCorruptionError, SwapPathError, SwapSpa
 
 ZeroOptimizer = DeepSpeedZeroOptimizer_Stage3
 
-# The core surface: about a dozen names. Every other name imported above stays importable from here (the DeepSpeed
-# names, offload errors, the full-state and checkpoint helpers), documented in the README.
+# The public surface (what the API reference lists): the engine, its configuration, full weights out of a sharded
+# model, checkpoints and the errors the guides show how to handle. Every other name imported above stays importable
+# from here.
 __all__ = [
     "CPUOffload",
+    "CheckpointError",
     "CheckpointPolicy",
+    "CheckpointSaveError",
     "DeepSpeedZeroOptimizer_Stage3",
     "MemoryReport",
     "MixedPrecisionPolicy",
     "NVMeOffload",
+    "SwapCorruptionError",
+    "SwapPathError",
+    "SwapSpaceError",
     "ZeroConfig",
+    "attach_optimizer",
+    "consolidate",
     "deferred_init",
     "engine_of",
     "estimate_zero_memory",
+    "full_state_dict",
     "save_full_state_dict",
     "summon_full_params",
+    "unshard_module",
     "zero3_shard",
 ]
