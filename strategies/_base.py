@@ -32,6 +32,8 @@ from zlightning.strategies._launch import (
     install_sigterm_handler,
 )
 
+# the module, not its names: it may be mid-import here (importing it loads Lightning, which registers these strategies)
+from zlightning import _run_report
 from zlightning._exit import register_gloo_settle
 from zlightning._threads import small_thread_stacks
 
@@ -166,6 +168,9 @@ class LaunchedParallelStrategy(ParallelStrategy):
         install_sigterm_handler()  # ranks started by spawn, or by another tool (torchrun, SLURM)
         install_failure_report(self.global_rank, self.world_size)  # after init_process_group's own excepthook
         self._warn_slow_cpu_precision()
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None:  # see [Note: every run under a zlightning strategy gets the report]
+            _run_report.install_run_report(trainer)
 
     def _warn_slow_cpu_precision(self) -> None:
         """bf16/fp16 on a CPU without native support runs emulated: warn before the first (very slow) step."""

@@ -1,14 +1,22 @@
-"""What a run prints: a progress bar with correct totals, a model summary with the sharded sizes, and an end-of-fit
-summary (final losses, tokens/s, log directory, checkpoint).
+"""What a run prints: a progress bar with correct totals (plain lines when the output is a file), a model summary
+with the full model's sizes, and an end-of-fit summary (final losses, throughput, log directory, checkpoint).
 
 [Note: fixing Lightning's progress bar and summary]
 Lightning 2.6's bars count ``max_steps`` as if it were a number of batches, so under ``accumulate_grad_batches=2`` a
 40-step run shows ``80/40``; its rich bar prints ``Epoch 0/-2`` when only ``max_steps`` bounds the run
-(``max_epochs=-1``) and the logger version as a float (``v_num: 2.000``). Its model summary prints ``Total FLOPs: 0``
-for every model without an ``example_input_array`` and warns that ``bf16-mixed`` is not supported. `fixed_progress_bar`
-returns the same kind of bar (rich or tqdm, same settings) without these faults, and `ModelSizeSummary` replaces the
-summary; the ``zlightning`` command installs both, and ``zlightning.models`` modules return them from
-``configure_callbacks`` (Lightning then uses them instead of its defaults, since they subclass them).
+(``max_epochs=-1``) and the logger version as a float (``v_num: 2.000``). Its model summary counts this rank's
+shards of a sharded model, prints ``Total FLOPs: 0`` for every model without an ``example_input_array`` and warns
+that ``bf16-mixed`` is not supported. `fixed_progress_bar` returns the same kind of bar (rich or tqdm, same settings)
+without these faults, `ModelSizeSummary` replaces the summary, and `RunSummary` prints the end of fit.
+
+[Note: every run under a zlightning strategy gets the report]
+The zlightning strategies call `install_run_report` in ``setup_environment``: after ``configure_callbacks`` (so the
+callbacks a ``zlightning.models`` module returns are already there) and before the callbacks' ``setup`` hooks. It
+swaps Lightning's stock summary for `ModelSizeSummary` (same ``max_depth``), its stock bar for the fixed bar, or for
+`LineProgress` when standard output is not a terminal (see [Note: progress in a log file] in
+``zlightning/_progress.py``), and adds a `RunSummary` unless one is there: the ``zlightning`` command, a
+``zlightning.models`` module or the user brought it, so it prints once. Callbacks of the user's own classes are
+kept, and ``enable_progress_bar=False`` / ``enable_model_summary=False`` leave nothing to swap.
 """
 
 from __future__ import annotations
@@ -17,23 +25,27 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import (
     Callback,
+    Checkpoint,
     ModelSummary,
     ProgressBar,
     RichModelSummary,
     RichProgressBar,
     TQDMProgressBar,
 )
-from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from typing_extensions import override
 
-__all__ = ["ModelSizeSummary", "RunSummary", "fixed_progress_bar", "stock_callbacks"]
+# modules, not their names: importing Lightning registers the strategies, which import this module, so either of
+# these may be mid-import here
+from zlightning import _model_summary, _progress
+
+__all__ = ["ModelSizeSummary", "RunSummary", "fixed_progress_bar", "install_run_report", "stock_callbacks"]
 
 
 def _batches_left(trainer: pl.Trainer) -> int | float:
@@ -91,50 +103,20 @@ def fixed_progress_bar(bar: ProgressBar | None) -> ProgressBar | None:
 
 
 class _SizeSummary(ModelSummary):
-    """The model summary, printed once by rank 0 at the start of fit: the top-level modules and their parameter
-    counts, the model size, and, under ``zstack_zero3``, what each rank holds after sharding. No FLOPs column
-    (Lightning counts 0 without an ``example_input_array``), no precision warning."""
+    """The model summary, printed once by rank 0 at the start of fit: Lightning's table (layers, trainable,
+    non-trainable and total parameters, size in MB) with the counts of the full model, and under the zlightning
+    strategies a line on what each rank holds after sharding (see [Note: counting a sharded model] in
+    ``zlightning/_model_summary.py``). No FLOPs column (Lightning counts 0 without an ``example_input_array``), no
+    precision warning."""
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._max_depth or not trainer.is_global_zero:
+        if not self._max_depth:
             return
-        numel = _full_numel(pl_module)
-        rows = [(name, type(child).__name__, _count(child, numel)) for name, child in pl_module.named_children()]
-        total, trainable = _count(pl_module, numel), _count(pl_module, numel, trainable_only=True)
-        width = max([len(r[0]) for r in rows] + [4])
-        type_width = max([len(r[1]) for r in rows] + [4])
-        lines = [f"  {'Name':<{width}}  {'Type':<{type_width}}  Params"]
-        lines += [f"  {n:<{width}}  {t:<{type_width}}  {get_human_readable_count(c):>6}" for n, t, c in rows]
-        first = next(iter(pl_module.parameters()), None)
-        size = total * (first.element_size() if first is not None else 4)
-        lines.append(
-            f"  {get_human_readable_count(total)} parameters ({get_human_readable_count(trainable)} "
-            f"trainable), {size / 2**20:.2f} MiB"
-        )
-        lines += _sharding_lines(trainer)
-        print("\n".join(lines), flush=True)
-
-
-def _full_numel(module: torch.nn.Module) -> Callable[[torch.nn.Parameter], int]:
-    """Element count of a parameter before sharding (a sharded module's parameters are this rank's pieces)."""
-    from zlightning.zero import engine_of
-
-    engine = engine_of(module)
-    if engine is None:
-        return lambda p: p.numel()
-
-    def numel(p: torch.nn.Parameter) -> int:
-        try:
-            return math.prod(engine.full_shape(p))
-        except (KeyError, ValueError, AttributeError, RuntimeError):
-            return p.numel()
-
-    return numel
-
-
-def _count(module: torch.nn.Module, numel: Callable[[torch.nn.Parameter], int], trainable_only: bool = False) -> int:
-    return sum(numel(p) for p in module.parameters() if p.requires_grad or not trainable_only)
+        # every rank: collective under zstack_pipeline
+        table = _model_summary.summary_table(trainer, pl_module, self._max_depth)
+        if trainer.is_global_zero:
+            print(table.render(), flush=True)
 
 
 class ModelSizeSummary(_SizeSummary):
@@ -145,33 +127,11 @@ class _RichSizeSummary(_SizeSummary, RichModelSummary):
     """See `_SizeSummary`: replaces Lightning's ``RichModelSummary`` (a subclass, so Lightning swaps it in)."""
 
 
-def _sharding_lines(trainer: pl.Trainer) -> list[str]:
-    strategy = trainer.strategy
-    report_fn = getattr(strategy, "memory_report", None)
-    if report_fn is None or getattr(strategy, "engine", None) is None:
-        return []
-    try:
-        report = report_fn()
-    except RuntimeError:
-        return []
-    zero = getattr(strategy, "zero", None)
-    stage = getattr(zero, "stage", 3)
-    offload = getattr(zero, "offload_optimizer", None)
-    where = f", optimizer state offloaded ({type(offload).__name__})" if offload is not None else ""
-    # every registered strategy class sets strategy_name; Lightning's Strategy base does not declare it
-    name: str = strategy.strategy_name  # type: ignore[attr-defined]
-    return [
-        f"  {name} (ZeRO stage {stage}) over {trainer.world_size} ranks: this rank holds "
-        f"{report.param_bytes / 2**20:.2f} MiB of the {report.full_model_bytes / 2**20:.2f} MiB of parameters; "
-        f"gradients and optimizer state are sharded alike{where} (largest unit gathered: "
-        f"{report.largest_unit_bytes / 2**20:.2f} MiB)"
-    ]
-
-
 class RunSummary(Callback):
-    """Prints, on rank 0 at the end of ``fit``, what ``make demo`` prints: the final training and validation losses,
-    the throughput (tokens/s when batches start with token ids, else samples/s; the first batch, start-up, is not
-    timed), the log directory and the checkpoint to resume from or consolidate.
+    """Prints, on rank 0 at the end of ``fit``, what ``make demo`` prints: the final training and validation losses
+    (those the module logged), the throughput (tokens/s when batches start with token ids, else samples/s, else
+    optimizer steps/s; the first batch, start-up, is not timed), the log directory and the checkpoint to resume from
+    or consolidate.
 
     Args:
         stream: where to print (standard output by default).
@@ -180,6 +140,8 @@ class RunSummary(Callback):
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
         self._start: float | None = None
+        self._start_step = 0
+        self._steps = 0
         self._seconds = 0.0
         self._items = 0
         self._unit = "samples"
@@ -190,13 +152,14 @@ class RunSummary(Callback):
     ) -> None:
         now = time.perf_counter()
         if self._start is None:
-            self._start = now
+            self._start, self._start_step = now, trainer.global_step
             return
-        first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-        if isinstance(first, torch.Tensor) and first.ndim >= 1:
+        first = _first_tensor(batch)
+        if first is not None:
             tokens = not first.is_floating_point() and first.ndim >= 2
             self._unit = "tokens" if tokens else "samples"
-            self._items += (first.numel() if tokens else first.shape[0]) * trainer.world_size
+            self._items += (first.numel() if tokens else first.shape[0]) * _replicas(trainer)
+        self._steps = trainer.global_step - self._start_step
         self._seconds = now - self._start
 
     @override
@@ -206,16 +169,16 @@ class RunSummary(Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if _scalar(v)}
         rows: list[tuple[str, str]] = []
         for label, prefix in (("final training loss", "train"), ("final validation loss", "val")):
-            key = _loss_key(metrics, prefix)
+            key = _progress.loss_key(metrics, prefix)
             if key is not None:
                 rows.append((label, f"{metrics[key]:.4f} ({key})"))
-        if self._seconds > 0 and self._items:
-            rate = self._items / self._seconds
+        if self._seconds > 0 and (self._items or self._steps):
+            rate = f"{self._items / self._seconds:,.0f} {self._unit}/s" if self._items else ""
+            rate = rate or f"{self._steps / self._seconds:,.2f} optimizer steps/s"
             rows.append(
                 (
                     "throughput",
-                    f"{rate:,.0f} {self._unit}/s over {trainer.world_size} processes "
-                    f"({trainer.global_step} optimizer steps)",
+                    f"{rate} over {trainer.world_size} processes ({trainer.global_step} optimizer steps)",
                 )
             )
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
@@ -247,12 +210,22 @@ def _scalar(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(float(value))
 
 
-def _loss_key(metrics: dict[str, float], prefix: str) -> str | None:
-    for key in (f"{prefix}/loss", f"{prefix}_loss", f"{prefix}/loss_epoch", f"{prefix}_loss_epoch"):
-        if key in metrics:
-            return key
-    found = sorted(k for k in metrics if k.startswith(prefix) and "loss" in k)
-    return found[0] if found else None
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    """The tensor that sizes a batch: its first element (``input_ids`` of a dict batch), if it has a batch dim."""
+    if isinstance(batch, Mapping):
+        batch = batch.get("input_ids", next(iter(batch.values()), None))
+    elif isinstance(batch, (tuple, list)):
+        batch = batch[0] if batch else None
+    return batch if isinstance(batch, torch.Tensor) and batch.ndim >= 1 else None
+
+
+def _replicas(trainer: pl.Trainer) -> int:
+    """Processes that read different batches (pipeline stages and tensor-parallel peers read the same ones)."""
+    try:
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    except (RuntimeError, ValueError):
+        kwargs = {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
 
 
 def _is_dir(path: str) -> bool:
@@ -283,3 +256,58 @@ def stock_callbacks(trainer: pl.Trainer) -> list[Callback]:
     if not any(isinstance(c, RunSummary) for c in present):
         callbacks.append(RunSummary())
     return callbacks
+
+
+_STOCK_BARS = (TQDMProgressBar, RichProgressBar, _TQDMBar, _RichBar)
+
+
+def _has_stock_settings(bar: ProgressBar) -> bool:
+    """Whether ``bar`` is one of Lightning's bars (or zlightning's fixed ones) with the settings Lightning's default
+    bar has."""
+    if isinstance(bar, TQDMProgressBar) and type(bar) in _STOCK_BARS:
+        return _tqdm_settings(bar) == _tqdm_settings(TQDMProgressBar())
+    if isinstance(bar, RichProgressBar) and type(bar) in _STOCK_BARS:
+        return _rich_settings(bar) == _rich_settings(RichProgressBar())
+    return False
+
+
+def _tqdm_settings(bar: TQDMProgressBar) -> tuple[Any, ...]:
+    return bar.refresh_rate, bar.process_position, bar._leave
+
+
+def _rich_settings(bar: RichProgressBar) -> tuple[Any, ...]:
+    return bar._refresh_rate, bar._leave, bar.theme, bar._console_kwargs
+
+
+def _progress_for(bar: ProgressBar, every: int | None) -> ProgressBar:
+    """What replaces ``bar``: see [Note: progress in a log file] in ``zlightning/_progress.py``."""
+    if every != 0 and _has_stock_settings(bar) and not _progress.stdout_is_terminal():
+        return _progress.LineProgress(every_n_steps=every)
+    return fixed_progress_bar(bar) or bar
+
+
+def install_run_report(trainer: pl.Trainer) -> None:
+    """Puts the model summary of the full model, the fixed progress bar (plain lines when standard output is not a
+    terminal) and the end-of-fit `RunSummary` in ``trainer``'s callbacks; see [Note: every run under a zlightning
+    strategy gets the report].
+
+    Raises:
+        ValueError: ``ZLIGHTNING_PROGRESS_EVERY`` is not an integer >= 0.
+    """
+    if trainer.barebones:
+        return
+    every = _progress.progress_every_from_env()
+    callbacks: list[Callback] = []
+    # set on the Trainer by Lightning's callback connector (not declared on the class)
+    for c in trainer.callbacks:  # type: ignore[attr-defined]
+        if type(c) is RichModelSummary:
+            c = _RichSizeSummary(max_depth=c._max_depth)
+        elif type(c) is ModelSummary:
+            c = ModelSizeSummary(max_depth=c._max_depth)
+        elif isinstance(c, ProgressBar):
+            c = _progress_for(c, every)
+        callbacks.append(c)
+    if not any(isinstance(c, RunSummary) for c in callbacks):
+        at = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+        callbacks.insert(at, RunSummary())
+    trainer.callbacks = callbacks  # type: ignore[attr-defined]
