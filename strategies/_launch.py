@@ -27,14 +27,30 @@ full traceback (several screens for two ranks). After the process group is set u
 written in full to ``<error dir>/rank<r>.log`` and one short summary is printed by the first rank that failed for a
 reason of its own: the exception type and message, where it was raised, the rank, and the folder of the logs. A rank
 whose error only says that a peer went away waits a moment before claiming the report, so the rank with the cause
-wins. The error folder is chosen by the launching process (``ZLIGHTNING_ERROR_DIR``, default under the system temp
-directory) so every rank of a run writes to the same place. ``ZLIGHTNING_FULL_TRACEBACK=1`` prints the full
-traceback of the reporting rank as well. A one-process run keeps Python's usual traceback.
+wins. ``ZLIGHTNING_FULL_TRACEBACK=1`` prints the full traceback of the reporting rank as well. A one-process run keeps
+Python's usual traceback.
+
+"Where it was raised" is two places when they differ: first the innermost frame of the user's own code (not torch,
+Lightning, zlightning, the standard library or an installed package; see ``zlightning/_user_code.py``), with its
+source line, then the frame that raised. An error inside torch (a shape mismatch in a layer the user called) is then
+summarised at the user's line, not only at ``torch/nn/modules/linear.py``.
+
+[Note: one error folder per run]
+Every run that fails gets a folder of its own, ``<base>/run-<date>-<time>-<pid>``, under the base folder
+``ZLIGHTNING_ERROR_DIR`` (default ``<system temp>/zlightning-<uid>/errors``). The launching process names it
+(`_start_error_run`, through ``ZLIGHTNING_ERROR_RUN`` in the environment the ranks copy); ranks started by another
+tool derive one name from what they share (`_external_run_name`): the SLURM job step, the torchrun rendezvous id,
+else the rendezvous port and their common parent process (one folder per host). One folder for all runs would keep the first failure's "reported" claim, so that no later failed run
+would print its error, and it would only grow. When a rank writes its log, the oldest run folders beyond the newest
+`ERROR_RUNS_KEPT_ENV` (default 10, this run included) are removed (`prune_error_runs`): only folders named
+``run-*``, never one whose launching process is still running, never anything else in the base folder.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -55,10 +71,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 from zlightning.strategies._preemption import GracefulStop, preemption_timeout
 
+from zlightning._oversubscription import warn_if_oversubscribed
+from zlightning._user_code import user_frame
 from zlightning._watchdog import PeerFailureError, note_exit
 
 __all__ = [
     "ERROR_DIR_ENV",
+    "ERROR_RUNS_KEPT_ENV",
     "TERMINATED_EXIT_CODE",
     "TERMINATE_GRACE_S",
     "RankFailedError",
@@ -68,6 +87,7 @@ __all__ = [
     "end_run",
     "install_failure_report",
     "install_sigterm_handler",
+    "prune_error_runs",
     "recover_checkpoint_dirs",
 ]
 
@@ -76,7 +96,13 @@ TERMINATE_GRACE_S = 10.0
 TERMINATED_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status of a rank ended by SIGTERM (143, as a shell reports a process killed by SIGTERM)."""
 ERROR_DIR_ENV = "ZLIGHTNING_ERROR_DIR"
-"""Environment variable naming the folder where each rank writes its traceback (set by the launching process)."""
+"""Environment variable naming the folder under which each failed run's error folder goes (see [Note: one error
+folder per run])."""
+ERROR_RUNS_KEPT_ENV = "ZLIGHTNING_ERROR_RUNS_KEPT"
+"""Environment variable: how many run folders the error folder keeps, the newest (default 10)."""
+_ERROR_RUN_ENV = "ZLIGHTNING_ERROR_RUN"
+_RUN_PREFIX = "run-"
+_DEFAULT_RUNS_KEPT = 10
 _FULL_TRACEBACK_ENV = "ZLIGHTNING_FULL_TRACEBACK"
 _SECONDARY_WAIT_S = 3.0
 _PEER_EXIT_GRACE_S = 15.0
@@ -199,7 +225,10 @@ class RankLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())  # before the children copy the environment
+        if not self.cluster_environment.creates_processes_externally:
+            _start_error_run()  # before the children copy the environment
+        if self.cluster_environment.local_rank() == 0 and _on_cpu(getattr(trainer, "strategy", None)):
+            warn_if_oversubscribed(self.num_processes)  # once per host: see [Note: oversubscribed CPU runs]
         install_sigterm_handler(lambda: self.procs)
         recover_checkpoint_dirs(trainer)
         add_graceful_stop(trainer)
@@ -228,7 +257,9 @@ class SpawnRankLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        os.environ.setdefault(ERROR_DIR_ENV, _new_error_dir())
+        _start_error_run()
+        if _on_cpu(self._strategy):
+            warn_if_oversubscribed(len(self._strategy.parallel_devices or []))
         install_sigterm_handler(lambda: self.procs)
         recover_checkpoint_dirs(trainer)
         add_graceful_stop(trainer)
@@ -413,17 +444,86 @@ def install_failure_report(rank: int, world_size: int) -> None:
     sys.excepthook = hook
 
 
-def _new_error_dir() -> str:
-    base = Path(tempfile.gettempdir()) / f"zlightning-{os.getuid()}"
-    return str(base / f"errors-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+def _on_cpu(strategy: Any) -> bool:
+    """Whether the ranks of ``strategy`` (a Lightning strategy, or None) run on CPU devices."""
+    devices = getattr(strategy, "parallel_devices", None) or []
+    return bool(devices) and all(torch.device(d).type == "cpu" for d in devices)
+
+
+def _start_error_run() -> None:
+    """Names this run's error folder, in the process that starts the ranks (see [Note: one error folder per run])."""
+    os.environ.setdefault(_ERROR_RUN_ENV, f"{_RUN_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
 
 def _error_dir() -> Path:
-    found = os.environ.get(ERROR_DIR_ENV)
-    if found:
-        return Path(found)
-    port = os.environ.get("MASTER_PORT", "0")  # launched by another tool (torchrun, SLURM): one folder per port
-    return Path(tempfile.gettempdir()) / f"zlightning-{os.getuid()}" / f"errors-port{port}"
+    """This run's error folder (see [Note: one error folder per run])."""
+    base = os.environ.get(ERROR_DIR_ENV) or Path(tempfile.gettempdir()) / f"zlightning-{os.getuid()}" / "errors"
+    return Path(base) / (os.environ.get(_ERROR_RUN_ENV) or _external_run_name())
+
+
+def _external_run_name() -> str:
+    """The error folder's name for ranks started by another tool, alike on every rank of the job: the SLURM job step
+    or the torchrun rendezvous id when there is one, else the rendezvous port and the ranks' parent (this host)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = f"restart{restart}-" if restart not in ("", "0") else ""
+    job, rendezvous = os.environ.get("SLURM_JOB_ID"), os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job:
+        key = f"slurm{job}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    elif rendezvous not in ("", "none"):
+        key = f"torchrun-{rendezvous}"
+    else:
+        key = f"port{os.environ.get('MASTER_PORT', '0')}-{os.getppid()}"
+    return _RUN_PREFIX + re.sub(r"[^\w.-]", "_", attempt + key)
+
+
+def prune_error_runs(base: Path, current: Path | None = None) -> list[Path]:
+    """Removes the oldest run folders under ``base`` beyond the newest ``$ZLIGHTNING_ERROR_RUNS_KEPT`` (default 10,
+    ``current`` included). See [Note: one error folder per run].
+
+    Args:
+        base: the folder holding the run folders.
+        current: this run's folder, always kept.
+
+    Returns:
+        The folders removed.
+    """
+    raw = os.environ.get(ERROR_RUNS_KEPT_ENV, "").strip()
+    kept = max(1, int(raw)) if raw.isdigit() else _DEFAULT_RUNS_KEPT
+    try:
+        runs = [p for p in base.iterdir() if p.name.startswith(_RUN_PREFIX) and p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
+    others = sorted((p for p in runs if p != current), key=_mtime, reverse=True)
+    removed = []
+    for old in others[kept - (current is not None) :]:
+        if not _launcher_running(old.name):
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
+    return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _launcher_running(name: str) -> bool:
+    """Whether the process whose id ends a run folder's name (its launching process, or its ranks' parent) runs."""
+    found = re.search(r"-(\d+)$", name)
+    if found is None:
+        return False
+    pid = int(found.group(1))
+    if pid <= 1:  # no process id, or init (the parent of orphaned ranks), which always runs
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's process
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
 
 
 def _rank() -> int:
@@ -441,6 +541,7 @@ def _report(err: BaseException, rank: int, world_size: int, print_summary: bool)
     log = folder / f"rank{rank}.log"
     full = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     log.write_text(full)
+    prune_error_runs(folder.parent, current=folder)
     summary = summarize(err, rank, world_size, folder)
     if not print_summary:
         return summary
@@ -480,7 +581,11 @@ def summarize(err: BaseException, rank: int, world_size: int, folder: Path | Non
         lines.append(f"  caused by {type(root).__name__}: {' '.join(str(root).split())[:300]}")
     frames = traceback.extract_tb(err.__traceback__)
     if frames:
-        last = frames[-1]
+        last, user = frames[-1], user_frame(frames)
+        if user is not None and user is not last:  # see [Note: one concise error per failed run]
+            code = " ".join((user.line or "").split())
+            code = f": {code[:97]}..." if len(code) > 100 else f": {code}" if code else ""
+            lines.append(f"  in your code at {_short_path(user.filename)}:{user.lineno} in {user.name}{code}")
         lines.append(f"  raised at {_short_path(last.filename)}:{last.lineno} in {last.name}")
     if folder is not None:
         lines.append(

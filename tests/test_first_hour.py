@@ -121,7 +121,9 @@ def test_a_failed_rank_prints_one_short_error(tmp_path: Path) -> None:
     after = err[err.index("zlightning: rank 1 of 2 failed") :].splitlines()
     summary = [after[0], *[line for line in after[1:4] if line.startswith("  ")]]  # other processes may interleave
     assert len(summary) <= 4 and "rank<r>.log" in summary[-1], after[:6]
-    log = tmp_path / "errors" / "rank1.log"
+    folder = Path(summary[-1].split(": ", 1)[1].split("/rank<r>.log")[0])
+    assert folder.parent == tmp_path / "errors" and folder.name.startswith("run-"), summary[-1]
+    log = folder / "rank1.log"
     assert "Traceback" in log.read_text() and "planted failure on rank 1" in log.read_text()
 
 

@@ -9,7 +9,9 @@ every rank a training job spawns imports them; loading Lightning there would cos
 ``import zlightning`` registers the strategies with Lightning's ``StrategyRegistry`` only once Lightning is there: at
 once when ``lightning.pytorch`` is already imported, otherwise from an import hook that runs right after
 ``lightning.pytorch`` finishes importing (in whatever order a program imports the two). ``import
-zlightning.strategies`` registers directly.
+zlightning.strategies`` registers directly. From then on, ``Trainer(strategy=...)`` with a name that is not
+registered suggests the closest registered ones (see [Note: a mistyped strategy name] in
+``zlightning/_strategy_names.py``).
 """
 
 import importlib.abc
@@ -22,6 +24,9 @@ __version__ = "0.1.0"
 
 
 def _register_strategies() -> None:
+    from zlightning._strategy_names import explain_unknown_strategy_names
+
+    explain_unknown_strategy_names()  # a mistyped Trainer(strategy=...) gets the closest registered names
     package = sys.modules.get("zlightning.strategies")
     if package is not None and getattr(package.__spec__, "_initializing", False):
         return  # it is importing Lightning right now: its __init__ registers when it is done

@@ -83,6 +83,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 # so `trainer.strategy: zstack_zero3` resolves. It must precede LightningCLI's parsing.
 import zlightning  # noqa: F401
 from zlightning._run_report import ModelSizeSummary, RunSummary, _RichBar, _RichSizeSummary, _TQDMBar
+from zlightning._strategy_names import close_strategy_names, zstack_strategy_names
 
 __all__ = ["EXTRA_COMMANDS", "main"]
 
@@ -172,10 +173,17 @@ def _estimate(argv: list[str]) -> None:
     p.add_argument(
         "--device",
         choices=["cuda", "cpu"],
-        default="cuda",
-        help="compute device: cuda splits the bytes between the accelerator and the host; cpu counts all as host",
+        default=None,
+        help="compute device: cuda splits the bytes between the accelerator and the host; cpu counts all as host "
+        "(default: cuda when this machine has a CUDA device, else cpu)",
     )
     a = p.parse_args(argv)
+    if a.device is not None:
+        device, why = a.device, "given by --device"
+    elif torch.cuda.is_available():
+        device, why = "cuda", "detected; --device cpu estimates for a CPU-only machine"
+    else:
+        device, why = "cpu", "no CUDA device here; --device cuda estimates for a GPU machine"
     from zlightning.zero import CPUOffload, NVMeOffload, ZeroConfig
 
     try:
@@ -204,9 +212,10 @@ def _estimate(argv: list[str]) -> None:
         num_params=int(a.params) if a.params else None,
         precision=a.precision,
         config=config,
-        device_type=a.device,
+        device_type=device,
     )
-    offload = f", offload optimizer={a.offload} params={a.offload_params}, {a.device}"
+    offload = f", offload optimizer={a.offload} params={a.offload_params}, {device}"
+    print(f"compute device: {device} ({why})")
     print(f"per-rank model states (ZeRO stage {a.stage}, {a.world_size} ranks, {a.precision}{offload}):")
     for key, value in est.as_dict().items():
         print(f"  {key:20s} {value / 2**30:10.3f} GiB")
@@ -298,8 +307,8 @@ def _registered_strategy_error(name: str) -> str | None:
     available = StrategyRegistry.available_strategies()
     if name == "auto" or name in available or "." in name:
         return None
-    close = difflib.get_close_matches(name, available, n=3, cutoff=0.6)
-    ours = sorted(n for n in available if n.startswith("zstack"))
+    close = close_strategy_names(name, available)
+    ours = zstack_strategy_names(available)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     return (
         f"trainer.strategy={name!r} is not a registered strategy: {hint}zlightning's strategies: "
