@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zlightning.datamodules import CurriculumDataModule, TextCorpusDataModule  # noqa: E402
-from zlightning.strategies import PipelineStrategy, ZeroMemoryMonitor, ZStackZero3Strategy  # noqa: E402
+from zlightning.strategies import PipelineStrategy, ZStackZero3Strategy  # noqa: E402
 
 import zlightning  # noqa: E402,F401  (registers the strategies)
-from zlightning.callbacks import PipelineBubbleMonitor  # noqa: E402
+from zlightning.callbacks import PipelineBubbleMonitor, ZeroMemoryMonitor  # noqa: E402
 from zlightning.integrations.huggingface import export_pretrained, pipeline_to_hf_state  # noqa: E402
 from zlightning.loggers import TensorBoardLogger  # noqa: E402
 from zlightning.models.hf_causal_lm import HFCausalLM, HFCausalLMPipeline, hf_config  # noqa: E402

@@ -3,7 +3,8 @@
 Nothing here compiles: see [Note: build once, never at import] in ``_build.py``. `available` loads the cached
 library on first call (``torch.ops.load_library``), registers fake kernels (so ``torch.compile`` traces the ops) and
 the CUDA implementations of quantize/dequantize, and remembers the outcome. When the library is missing or fails to
-load, every op uses its PyTorch reference and `warn_fallback` warns once, naming the reason and the fix.
+load, every op uses its PyTorch reference and `warn_fallback` warns once per process group, naming the reason and the
+fix.
 """
 
 from __future__ import annotations
@@ -113,16 +114,32 @@ def aio_native_available() -> bool:
     return _uring_ok
 
 
+def _speaks_for_its_group() -> bool:
+    """True on the one process that warns for a process group: global rank 0 where a rank is known
+    (``torch.distributed`` initialised, else ``RANK``), local rank 0 where only ``LOCAL_RANK`` is set (Lightning's
+    launcher sets it for the ranks it starts), and any process with no rank at all."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    for var in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value) == 0
+    return True
+
+
 def warn_fallback(op: str) -> None:
-    """Warns once per process that ``op`` (and the other native ops) run their PyTorch reference."""
+    """Warns, once per process group (rank 0 only; see `_speaks_for_its_group`), that ``op`` (and the other native
+    ops) run their PyTorch reference, naming the reason and the public command that builds the kernels."""
     global _warned
     if _warned or _forced_fallback():  # asked for: nothing to warn about
         return
     _warned = True
+    if not _speaks_for_its_group():  # the other ranks run the same install: one warning speaks for the group
+        return
     warnings.warn(
         f"zlightning.kernels: native kernels unavailable ({status().reason}); {op} and the other ops use their "
-        "PyTorch fallback (correct, slower). Build them once with `make install` or "
-        "`python -m zlightning.kernels._build`; `zlightning kernels` shows the report.",
+        "PyTorch fallback (correct, slower). Build them once with `zlightning kernels --build` (from any install; "
+        "`zlightning kernels` shows the report).",
         RuntimeWarning,
         stacklevel=3,
     )

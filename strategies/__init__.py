@@ -5,7 +5,7 @@ from zlightning.strategies._precision import ZeroPrecision
 from zlightning.strategies.pipeline import PipelinePrecision, PipelineStrategy
 from zlightning.strategies.zero3 import ZeroMemoryMonitor, ZStackZero3Strategy
 
-__all__ = ["PipelinePrecision", "PipelineStrategy", "ZStackZero3Strategy", "ZeroMemoryMonitor", "ZeroPrecision"]
+__all__ = ["PipelinePrecision", "PipelineStrategy", "ZStackZero3Strategy", "ZeroPrecision"]
 
 
 def __getattr__(name: str) -> object:

@@ -300,10 +300,11 @@ def test_deepspeed_config_over_the_yaml_merges(
 
 def test_estimate_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
     """``zlightning estimate --offload``: the bytes leave the device for the host, then for the disk (8 ranks, 7e9
-    parameters: shards of 875e6 elements, 3.26 GiB per 4 bytes an element, 16 bytes for Adam training)."""
+    parameters: shards of 875e6 elements, 3.26 GiB per 4 bytes an element, 16 bytes for Adam training), estimated
+    for a GPU machine (``--device cuda``, whatever this machine has) unless a case gives ``--device cpu``."""
 
     def gib(args: list[str], key: str) -> float:
-        main(["estimate", "--params", "7e9", "--world-size", "8", *args])
+        main(["estimate", "--params", "7e9", "--world-size", "8", "--device", "cuda", *args])
         out = capsys.readouterr().out
         return float(next(line.split()[1] for line in out.splitlines() if line.split()[:1] == [key]))
 

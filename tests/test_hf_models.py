@@ -3,6 +3,8 @@ Lightning Trainer on 2 CPU ranks, each against a single-process reference (losse
 
 * ``LlamaForCausalLM`` (tied embeddings, rotary, grouped-query attention) under ``zstack_zero3``, under
   ``ZStackZero3Strategy(tensor_parallel_size=2)`` and with ``compile=True``;
+* ``compile=True`` on a 10-layer Llama at 1 process: its decoder layers share one compiled graph (no recompile per
+  layer), with or without the key/value cache the model builds by default, and the losses equal eager;
 * the same model as pipeline layers (``zlightning.integrations.huggingface.hf_pipeline``) under ``zstack_pipeline``
   on 2 stages, against the unsplit Hugging Face model from the same weights;
 * exports: ``zlightning consolidate`` of the sharded ZeRO-3 checkpoint loads into ``LlamaForCausalLM`` with
@@ -25,6 +27,9 @@ from typing import Any
 import pytest
 import torch
 
+from zlightning.integrations.huggingface import _load_hub_kernels
+
+_load_hub_kernels()  # pytest's pythonpath puts the checkout's kernels/ folder ahead of the package transformers needs
 transformers = pytest.importorskip("transformers")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -195,6 +200,98 @@ def test_llama_under_zstack_zero3_matches_one_process(runs: Any, name: str) -> N
             torch.testing.assert_close(value, ref_state[key], **TOL, msg=f"{name}: {key}")
         # tensor parallelism alone: module_inject says nothing about modules it was not asked to fuse
         assert r[name]["inject_warnings"] == [], r[name]["inject_warnings"]
+
+
+def rank_compile_runs(rank: int, world: int) -> dict[tuple[str, bool], Any]:
+    """A 10-layer Llama under ``zstack_zero3`` at 1 process, eager and with ``compile=True``: ``HFCausalLM`` as it
+    ships, and a module calling the Hugging Face model with its defaults (a key/value cache built in training). Per
+    compiled run: the Dynamo graphs compiled and every message Dynamo logged."""
+    import logging
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from zlightning.strategies import ZStackZero3Strategy
+
+    import zlightning  # noqa: F401
+    from zlightning.integrations.huggingface import causal_lm_loss
+    from zlightning.models.hf_causal_lm import HFCausalLM
+
+    class Module(HFCausalLM):
+        def __init__(self, cache_on: bool) -> None:
+            super().__init__(config={**CONFIG, "num_hidden_layers": 10}, warmup_steps=0)
+            self.cache_on = cache_on
+            self.losses: list[float] = []
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids).logits if self.cache_on else super().forward(input_ids)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.losses.append(float(causal_lm_loss(self(batch[0]), batch[1])))
+
+        def configure_optimizers(self) -> Any:
+            return _sgd(self)
+
+    class Messages(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    out: dict[tuple[str, bool], Any] = {}
+    for name, cache_on in (("hf_causal_lm", False), ("cache_on", True)):
+        for compile_ in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            messages = Messages()
+            logging.getLogger("torch._dynamo").addHandler(messages)
+            pl.seed_everything(0, verbose=False)
+            module = Module(cache_on)
+            trainer = pl.Trainer(
+                strategy=ZStackZero3Strategy(compile=compile_),
+                accelerator="cpu",
+                devices=1,
+                max_steps=STEPS,
+                limit_val_batches=2,
+                val_check_interval=STEPS,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+            )
+            loader = DataLoader(_dataset(), batch_size=MICRO)
+            trainer.fit(module, loader, loader)
+            logging.getLogger("torch._dynamo").removeHandler(messages)
+            out[name, compile_] = {
+                "losses": module.losses,
+                "graphs": counters["stats"]["unique_graphs"],
+                "frames": counters["frames"]["total"],
+                "messages": messages.lines,
+            }
+    return out
+
+
+def test_compiled_llama_compiles_its_decoder_layers_once() -> None:
+    """``compile=True`` compiles each ZeRO unit's forward; the 10 decoder layers share one graph (and one more for
+    evaluation) instead of recompiling per layer up to Dynamo's limit of 8 and running the rest eagerly, also when
+    the model builds its default key/value cache in training; the losses (3 training steps, 2 validation batches)
+    equal the eager run."""
+    (out,) = run_distributed(rank_compile_runs, 1, init_process_group=False, timeout=500)
+    for name in ("hf_causal_lm", "cache_on"):
+        eager, compiled = out[name, False], out[name, True]
+        assert len(compiled["losses"]) == STEPS + 2, compiled["losses"]
+        torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=0, msg=name)
+        limit = [m for m in compiled["messages"] if "recompile_limit" in m or "cache_size_limit" in m]
+        assert not limit, f"{name}: {limit[0][:2000]}"
+        assert 1 <= compiled["graphs"] <= 2 and compiled["frames"] <= 2, (name, compiled["graphs"], compiled["frames"])
+        assert eager["graphs"] == 0, (name, eager["graphs"])
 
 
 def test_llama_pipeline_on_two_stages_matches_the_unsplit_model(runs: Any) -> None:

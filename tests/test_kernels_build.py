@@ -37,7 +37,7 @@ with warnings.catch_warnings(record=True) as caught:
     assert eng.backend_name == "python-threadpool"
 msgs = [str(w.message) for w in caught if "native kernels unavailable" in str(w.message)]
 assert len(msgs) == 1, msgs
-assert "make install" in msgs[0] and "not built" in msgs[0]
+assert "`zlightning kernels --build`" in msgs[0] and "not built" in msgs[0]
 print("OK")
 """
     env = {**os.environ, "ZLIGHTNING_KERNELS_DIR": str(tmp_path / "empty")}

@@ -1,5 +1,7 @@
-"""Lightning callbacks of zlightning: compression-aware training built on `zlightning.compression`, and
-`PipelineBubbleMonitor` / `ZeroMemoryMonitor` (the pipeline bubble, the ZeRO engine's memory, in TensorBoard)."""
+"""Lightning callbacks of zlightning: compression-aware training built on `zlightning.compression`,
+`PipelineBubbleMonitor` / `ZeroMemoryMonitor` (the pipeline bubble, the ZeRO engine's memory, in TensorBoard), and
+`RunSummary` (the end-of-fit report: final losses, throughput, logs, checkpoint; ``zlightning.models`` modules and the
+``zlightning`` command add it themselves)."""
 
 from zlightning.callbacks._compression import (
     ActivationQuantization,
@@ -22,7 +24,17 @@ __all__ = [
     "LayerReduction",
     "PipelineBubbleMonitor",
     "RowPruning",
+    "RunSummary",
     "SparsePruning",
     "WeightQuantization",
     "ZeroMemoryMonitor",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``RunSummary`` is looked up on first use: ``zlightning._run_report`` imports this package's modules."""
+    if name == "RunSummary":
+        from zlightning._run_report import RunSummary
+
+        return RunSummary
+    raise AttributeError(f"module 'zlightning.callbacks' has no attribute {name!r}")

@@ -15,6 +15,21 @@ and calls them once, eagerly, just before (same effect: the first call installs,
 Per-unit mode is the default (it keeps the eager engine's semantics exactly; see ``CompileConfig.mode``) and what
 ``CompileConfig(mode="auto")`` picks when graph mode cannot drive the engine (parameter or optimizer offload, a
 tensor-parallel group).
+
+[Note: a key/value cache reaching a compiled unit]
+Identical units share one compiled graph: Dynamo caches per code object, and since ``torch.compile`` inlines
+``nn.Module`` calls it guards on the parameters' shapes, not on which module runs. A Hugging Face model breaks that
+when it builds a key/value cache in training (``use_cache`` defaults to the config's True): every decoder layer
+then receives the same cache object and writes its own slot, ``cache.layers[layer_idx]``, so Dynamo specialises each
+layer on its index and state -- one recompile per layer until ``recompile_limit`` (8), a warning for each, and the
+remaining layers eager. A training forward never reads that cache (it starts empty, the attention covers the
+current tokens either way, and nobody reads the cache a loss computation returns), so a compiled unit called in
+training with an *empty* cache (``cache``, ``past_key_value(s)``, ``layer_past``) gets None instead: the same
+outputs and gradients, every layer on the one graph, and only the unread returned cache stays empty -- what Hugging
+Face's own gradient checkpointing does to the cache in training. A cache that holds tokens, or any cache outside
+training (evaluation, generation: it is read there), makes the unit run its eager forward for that call, so
+decoding stays correct and no per-layer recompiles are attempted. Models that do not want a cache in training pass
+``use_cache=False`` (as `zlightning.models.HFCausalLM` does) and never reach this.
 """
 
 from __future__ import annotations
@@ -108,8 +123,9 @@ def compile_zero3(
         inner = [m for m in unit.module.modules() if m is not unit.module and any(m is u for u in unit_modules)]
         if unit.is_root or inner:
             continue
-        compiled = torch.compile(unit.module.forward, backend=backend, dynamic=dynamic)
-        unit.module.forward = _CompiledUnitForward(unit.module, compiled, engine_hooks)  # type: ignore[method-assign]
+        eager = unit.module.forward
+        compiled = torch.compile(eager, backend=backend, dynamic=dynamic)
+        unit.module.forward = _CompiledUnitForward(unit.module, compiled, engine_hooks, eager)  # type: ignore[method-assign]
         handle.modules.append(unit.module)
     return handle
 
@@ -134,22 +150,58 @@ def _compile_graph(state: Any, config: CompileConfig, dynamic: bool | None) -> Z
     return handle
 
 
-class _CompiledUnitForward:
-    """Runs a unit's compiled forward with the engine's lazy pre-hooks of its submodules called eagerly up front."""
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+"""Keyword arguments under which Hugging Face decoder layers receive a key/value cache (by ``transformers`` version
+and model family)."""
 
-    def __init__(self, module: nn.Module, compiled: Callable[..., Any], hook_ids: set[int]) -> None:
+
+def _cache_length(cache: Any) -> int | None:
+    """Tokens a key/value cache holds (a ``transformers`` ``Cache``: ``get_seq_length()``); None when unknown."""
+    length = getattr(cache, "get_seq_length", None)
+    if not callable(length):
+        return None
+    try:
+        return int(length())
+    except (TypeError, ValueError, RuntimeError, IndexError, AttributeError):
+        return None
+
+
+class _CompiledUnitForward:
+    """Runs a unit's compiled forward with the engine's lazy pre-hooks of its submodules called eagerly up front, and
+    keeps a key/value cache out of the compiled graph (see [Note: a key/value cache reaching a compiled unit])."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        compiled: Callable[..., Any],
+        hook_ids: set[int],
+        eager: Callable[..., Any] | None = None,
+    ) -> None:
+        self.module = module
         self.compiled = compiled
+        self.eager = eager
         self.hooks = [
             (m, k) for m in module.modules() if m is not module for k in m._forward_pre_hooks if k in hook_ids
         ]
 
+    def _target(self, kwargs: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The forward to run for these keyword arguments, and the arguments to run it with."""
+        caches = [k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+        if not caches or self.eager is None:
+            return self.compiled, kwargs
+        training = self.module.training and torch.is_grad_enabled()
+        if training and all(_cache_length(kwargs[k]) == 0 for k in caches):
+            return self.compiled, {**kwargs, **dict.fromkeys(caches)}
+        return self.eager, kwargs
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward, kwargs = self._target(kwargs)
         saved = {id(m): (m, dict(m._forward_pre_hooks)) for m, _ in self.hooks}  # restored in the same order
         detached = [(m, m._forward_pre_hooks.pop(k)) for m, k in self.hooks]
         try:
             for m, fn in detached:
                 fn(m, args)
-            return self.compiled(*args, **kwargs)
+            return forward(*args, **kwargs)
         finally:
             for m, hooks in saved.values():
                 m._forward_pre_hooks.clear()

@@ -28,11 +28,22 @@ configuration, each built layer is initialised by the model class's own ``_init_
 model on the meta device, which holds no memory), so it starts like a fresh Hugging Face model, seeded per layer
 by ``PipelineModule`` (the same values on any split). For models too large to hold whole on each rank, pass the
 configuration and load weights per stage with `hf_to_pipeline_state`.
+
+[Note: the checkout's kernels folder and the kernels package]
+``transformers`` 5 imports the Hugging Face ``kernels`` package when it is imported. A checkout of zlightning keeps
+the sources of ``zlightning.kernels`` in a top-level folder named ``kernels``, so wherever the checkout's root is on
+``sys.path`` (``zlightning fit`` run from it puts the working directory there, so does pytest's ``pythonpath``)
+``import kernels`` finds that folder and ``import transformers`` fails with "cannot import name ... from 'kernels'".
+`_load_hub_kernels` loads the installed ``kernels`` distribution under its name first; every import of
+``transformers`` here goes through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -60,6 +71,31 @@ Family = Literal["llama", "gpt2"]
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 """``model_type`` values laid out as Llama (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``)."""
 _MASKLESS = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def _load_hub_kernels() -> None:
+    """Makes ``import kernels`` the installed Hugging Face ``kernels`` package, not a folder of that name on
+    ``sys.path`` (see [Note: the checkout's kernels folder and the kernels package]); does nothing when it is not
+    installed or already imported."""
+    if "kernels" in sys.modules:
+        return
+    try:
+        init = Path(str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py")))
+    except importlib.metadata.PackageNotFoundError:
+        return
+    found = importlib.util.find_spec("kernels")
+    if not init.is_file() or (found is not None and found.origin and Path(found.origin).resolve() == init.resolve()):
+        return
+    spec = importlib.util.spec_from_file_location("kernels", init, submodule_search_locations=[str(init.parent)])
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["kernels"]
+        raise
 
 
 def _family(config: PretrainedConfig) -> Family:
@@ -269,6 +305,7 @@ def causal_lm_loss(logits_BTV: Tensor, targets_BT: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------------- building
 def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    _load_hub_kernels()
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -300,6 +337,7 @@ def hf_pipeline_layers(source: PreTrainedModel | PretrainedConfig) -> list[Layer
     Raises:
         ValueError: an unsupported ``model_type`` or attention implementation.
     """
+    _load_hub_kernels()
     from transformers import PreTrainedModel
 
     model = source if isinstance(source, PreTrainedModel) else _meta_model(source)
@@ -434,6 +472,7 @@ def export_pretrained(
     Raises:
         RuntimeError: the weights do not match the model class (``load_state_dict`` strict).
     """
+    _load_hub_kernels()
     from transformers import AutoModelForCausalLM
 
     weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

@@ -19,7 +19,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from typing_extensions import override
 
-from zlightning.integrations.huggingface import causal_lm_loss, hf_pipeline
+from zlightning.integrations.huggingface import _load_hub_kernels, causal_lm_loss, hf_pipeline
 from zlightning.models.gpt import LinearWarmup
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ def hf_config(model_type: str = "llama", config: dict[str, Any] | None = None) -
         ValueError: an unknown ``model_type``.
     """
     try:
+        _load_hub_kernels()
         from transformers import AutoConfig
     except ImportError as err:
         raise ImportError("Hugging Face models need transformers: pip install 'zlightning[hf]'") from err
@@ -106,14 +107,17 @@ class HFCausalLM(LightningModule):
         super().__init__()
         _check(lr, weight_decay, warmup_steps, "HFCausalLM")
         self.save_hyperparameters()
+        model_config = hf_config(model_type, config)  # imports transformers: see `_load_hub_kernels`
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_config(hf_config(model_type, config))
+        self.model = AutoModelForCausalLM.from_config(model_config)
 
     @override
     def forward(self, input_ids: Tensor) -> Tensor:
-        """Logits ``[B, T, vocab]``."""
-        return self.model(input_ids=input_ids).logits
+        """Logits ``[B, T, vocab]``, without a key/value cache: nothing here reads one, and building it in training
+        would make each decoder layer a graph of its own under ``compile=True`` (see [Note: a key/value cache
+        reaching a compiled unit] in ``zlightning/compile/_zero3.py``)."""
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
