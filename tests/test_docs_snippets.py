@@ -44,7 +44,10 @@ _TINY_SITECUSTOMIZE = textwrap.dedent(
     """
     import os
 
-    if os.environ.get("ZLIGHTNING_README_TINY") == "1":
+    import sys
+
+    # only the program itself and its re-runs for other ranks (Inductor's helper interpreters skip the import)
+    if os.environ.get("ZLIGHTNING_README_TINY") == "1" and sys.argv[0].endswith("snippet.py"):
         import lightning.pytorch as pl
 
         _init = pl.Trainer.__init__
