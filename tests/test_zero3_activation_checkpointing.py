@@ -200,6 +200,9 @@ def test_checkpointed_units_train_like_one_process(reentrant: bool, style: str) 
 
 
 def _llama() -> nn.Module:
+    from zlightning.integrations.huggingface import _load_hub_kernels
+
+    _load_hub_kernels()  # a spawned rank: the installed `kernels` package, not the repository's folder
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(

@@ -3,6 +3,8 @@
 `RunSummary` (the end-of-fit report: final losses, throughput, logs, checkpoint; ``zlightning.models`` modules and the
 ``zlightning`` command add it themselves)."""
 
+from typing import TYPE_CHECKING
+
 from zlightning.callbacks._compression import (
     ActivationQuantization,
     ChannelPruning,
@@ -29,6 +31,10 @@ __all__ = [
     "WeightQuantization",
     "ZeroMemoryMonitor",
 ]
+
+
+if TYPE_CHECKING:  # the API reference reads this; at run time __getattr__ below resolves the name
+    from zlightning._run_report import RunSummary
 
 
 def __getattr__(name: str) -> object:
