@@ -12,14 +12,10 @@ import os
 import pytest
 import torch
 
-from zlightning.integrations.huggingface import _load_hub_kernels
+import tests._hub_kernels  # noqa: F401  (the installed `kernels` package, here and in the rank fork server below)
 from zlightning.testing import set_start_method
 
 torch.set_num_threads(1)
-# pytest puts the repository root on sys.path, where the kernels/ folder would shadow the installed Hugging Face
-# `kernels` package that transformers imports (see [Note: the checkout's kernels folder and the kernels package]);
-# loaded here, before the fork server starts, every test and rank that imports transformers gets the real one
-_load_hub_kernels()
 
 # Ranks of run_distributed fork from a server that imported these once (see [Note: a fork server for test suites]);
 # ZLIGHTNING_TEST_SPAWN=1 starts every rank as a fresh interpreter instead.
