@@ -7,7 +7,9 @@ find ``zlightning/`` without those three. Before the build, a staging folder ``b
 a copy of
 ``zlightning/`` with the three mapped folders copied in under their package names (griffe resolves symbolic links
 to their real folders, so links would not do). The copy is made afresh for every build, so the reference is always
-rendered from the current sources, under the names users import.
+rendered from the current sources, under the names users import. The hook runs before every plugin's own
+``on_config``: mkdocstrings drops a search path that does not exist yet, and would then find the installed
+``zlightning/`` folder, which lacks the mapped packages.
 
 Benchmark charts live in ``benchmarks/results/`` beside their tables; the site serves them from there too, so a chart
 is never copied into ``docs/`` and cannot go stale.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +36,7 @@ def _stage_package() -> None:
         shutil.copytree(ROOT / folder, STAGING / "zlightning" / name, ignore=ignore)
 
 
+@event_priority(100)  # before mkdocstrings fixes its search paths: they must exist by then
 def on_config(config, **kwargs):  # noqa: ANN001, ANN003, ANN201
     _stage_package()
     return config
