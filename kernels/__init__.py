@@ -1,7 +1,7 @@
 """Native kernels: async tensor I/O, CPU Adam, group-wise quantization, and a caching host allocator.
 
-Each op has a compiled implementation (C++ registered with ``torch.library``, built ahead of time by ``make install``
-or ``python -m zlightning.kernels._build``) and a pure-PyTorch reference used as the fallback and in tests.
+Each op has a compiled implementation (C++ registered with ``torch.library``, built ahead of time by
+``zlightning kernels --build``, which ``make install`` runs) and a pure-PyTorch reference used as the fallback and in tests.
 Importing this package never compiles anything; ``zlightning kernels`` prints what is compiled and what falls back.
 
 Public names (DeepSpeed code ports by changing the import)::

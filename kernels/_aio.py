@@ -441,7 +441,7 @@ class DeepSpeedIOEngine:
 
             raise RuntimeError(
                 f"DeepSpeedIOEngine(backend='native'): the native backend is unavailable "
-                f"({_ext.status().reason}). Build it with `make install` or use backend='python'."
+                f"({_ext.status().reason}). Build it with `zlightning kernels --build` or use backend='python'."
             )
         self._backend = native if native is not None else _ThreadPoolBackend(self.config)
         self.backend_name = self._backend.name

@@ -86,7 +86,7 @@ def _print(rep: dict[str, object]) -> None:
             continue
         print(f"  {key:15s} {rep[key]}")
     if not rep["loaded"]:
-        print("\n  Build the kernels once with `make install` or `zlightning kernels --build`.")
+        print("\n  Build the kernels once with `zlightning kernels --build`.")
 
 
 def main(argv: list[str]) -> None:

@@ -194,7 +194,7 @@ class ZeroConfig:
     """When shards live in host memory, serve large CPU tensors (every step's gradients, temporaries, activations)
     from zlightning's caching host allocator instead of glibc's heaps, so resident memory stays flat at the step's
     peak instead of growing with fragmentation (see [Note: host memory of a sharded step] in ``_host_memory.py``).
-    Needs the native kernels (``make install``); without them a warning says so and glibc serves everything."""
+    Needs the native kernels (``zlightning kernels --build``); without them a warning says so and glibc serves everything."""
 
     host_mmap_threshold: Bytes | None = None
     """Bytes, e.g. ``1 << 20``: fix glibc's mmap threshold at this size (every large block is mapped and returned to

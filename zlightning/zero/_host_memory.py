@@ -67,7 +67,7 @@ def use_host_cache() -> bool:
         warnings.warn(
             f"zlightning: the caching host allocator is unavailable ({_ext.status().reason}), so glibc serves the "
             "step's large tensors and resident memory can grow with heap fragmentation. Build the native kernels "
-            "(`make install` or `python -m zlightning.kernels._build`), or bound memory at some speed cost with "
+            "(`zlightning kernels --build`), or bound memory at some speed cost with "
             "ZeroConfig(host_mmap_threshold=1 << 20).",
             RuntimeWarning,
             stacklevel=3,
